@@ -1,0 +1,31 @@
+"""multihead: multi-head attention you can read, trace and trust.
+
+Public surface:
+
+* :func:`attention`, :func:`attention_weights`, :func:`explain_dispatch` -- functional core
+* :mod:`multihead.masks` -- one mask convention: True = may attend
+* :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
+* :func:`trace` -- record the steps of a real forward pass
+"""
+
+from . import backends, masks
+from .config import AttentionConfig
+from .functional import attention, attention_weights, explain_dispatch
+from .module import MultiHeadAttention
+from .per_head import PerHeadAttention
+from .trace import Trace, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_weights",
+    "explain_dispatch",
+    "masks",
+    "backends",
+    "MultiHeadAttention",
+    "PerHeadAttention",
+    "AttentionConfig",
+    "trace",
+    "Trace",
+]

@@ -1,0 +1,138 @@
+"""Validation helpers for the public edge.
+
+Every public function checks its arguments here, before any tensor work, so that a user
+mistake surfaces as a ``ValueError`` or ``TypeError`` naming the argument, the sizes seen and
+the fix -- never as an error from three calls deep inside torch.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
+Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(x, name: str) -> torch.Tensor:
+    """``x`` must be a floating-point ``torch.Tensor``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(x).__name__}; "
+            f"wrap it with torch.as_tensor({name}, dtype=torch.float32)"
+        )
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32, float64), "
+            f"got {x.dtype}; convert it with {name}.float()"
+        )
+    return x
+
+
+def check_rank(x: torch.Tensor, name: str, rank: int, layout: str, hint: str = "") -> None:
+    if x.dim() != rank:
+        extra = f"; {hint}" if hint else ""
+        raise ValueError(
+            f"{name} must have {rank} dimensions {layout}, got shape {tuple(x.shape)}{extra}"
+        )
+
+
+def check_same_dtype_device(ref: torch.Tensor, ref_name: str, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.device != ref.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {ref_name} is on {ref.device}; "
+                f"move them to one device, e.g. {name}.to({ref_name}.device)"
+            )
+        if t.dtype != ref.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; "
+                f"use one dtype, e.g. {name}.to({ref_name}.dtype)"
+            )
+
+
+def check_qkv(q, k, v=None) -> None:
+    """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), H a multiple of Hkv.
+
+    ``v=None`` checks q and k alone (for attention weights).
+    """
+    named = [(q, "q"), (k, "k")] + ([] if v is None else [(v, "v")])
+    for t, name in named:
+        check_tensor(t, name)
+    check_rank(q, "q", 4, "(B, H, Lq, D)")
+    check_rank(k, "k", 4, "(B, Hkv, Lk, D)")
+    if v is not None:
+        check_rank(v, "v", 4, "(B, Hkv, Lk, Dv)")
+    check_same_dtype_device(q, "q", **{name: t for t, name in named[1:]})
+    B, H, _, D = q.shape
+    Bk, Hkv, Lk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(
+            f"batch sizes differ: q has B={B}, k has B={Bk}; q, k and v must share the batch axis (dim 0)"
+        )
+    if Dk != D:
+        raise ValueError(
+            f"head dims differ: q has D={D}, k has D={Dk}; q and k must share the last axis"
+        )
+    check_heads(H, Hkv)
+    if v is None:
+        return
+    Bv, Hv, Lv, _ = v.shape
+    if Bv != B:
+        raise ValueError(
+            f"batch sizes differ: q has B={B}, v has B={Bv}; q, k and v must share the batch axis (dim 0)"
+        )
+    if Hv != Hkv:
+        raise ValueError(f"k has Hkv={Hkv} heads but v has {Hv}; k and v must have the same heads")
+    if Lv != Lk:
+        raise ValueError(f"k has Lk={Lk} keys but v has {Lv}; k and v must have the same length")
+
+
+def check_heads(H: int, Hkv: int, h_name: str = "Hq", kv_name: str = "Hkv") -> None:
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(
+            f"got {h_name}={H}, {kv_name}={Hkv}: {h_name} must be a multiple of {kv_name} "
+            f"(grouped-query attention: query head i reads key/value head i // ({h_name} // {kv_name}))"
+        )
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """``None`` gives 1/sqrt(D); otherwise a positive finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be positive and finite, got {scale}; leave it None for 1/sqrt(D)")
+    return scale
+
+
+def check_dropout(p, name: str = "dropout_p") -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name} must be a number in [0, 1), got {type(p).__name__}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p}; 0 disables dropout")
+    return p
+
+
+def check_positive_int(value, name: str, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    low = 0 if allow_zero else 1
+    if value < low:
+        bound = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def check_choice(value, name: str, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+    return value

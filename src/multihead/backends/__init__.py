@@ -1,0 +1,108 @@
+"""Attention backends behind one signature, in a small registry.
+
+Every backend is a function ``fn(q, k, v, mask, *, scale, dropout_p) -> out`` with
+q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a :class:`multihead.masks.Mask`
+or None, and out (B, H, Lq, Dv). Inputs arrive validated. Each backend also says, for a given
+call, why it cannot take it (or None when it can); ``"auto"`` picks the first backend in
+:data:`AUTO_ORDER` that accepts the call, and :func:`explain_dispatch` reports every reason.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
+Dv value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..masks import Mask
+
+__all__ = ["Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a backend is asked to do, for deciding whether it can."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[Mask]
+    dropout_p: float
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    fn: Callable[..., torch.Tensor]
+    refuses: Callable[[Call], Optional[str]]
+    summary: str
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which backend ``"auto"`` would run, and why each other one was not chosen."""
+
+    backend: str
+    refused: dict
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}"]
+        lines += [f"  not {name}: {why}" for name, why in self.refused.items()]
+        return "\n".join(lines)
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+#: preference order for ``backend="auto"``
+AUTO_ORDER: list[str] = []
+
+
+def register(backend: Backend, *, auto_rank: Optional[int] = None) -> Backend:
+    """Add ``backend``; with ``auto_rank`` it also joins AUTO_ORDER at that position."""
+    _REGISTRY[backend.name] = backend
+    if auto_rank is not None and backend.name not in AUTO_ORDER:
+        AUTO_ORDER.insert(auto_rank, backend.name)
+    return backend
+
+
+def names() -> list[str]:
+    return ["auto", *_REGISTRY]
+
+
+def get(name: str) -> Backend:
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def explain_dispatch_call(call: Call) -> Dispatch:
+    refused: dict = {}
+    chosen = None
+    for name in AUTO_ORDER:
+        why = _REGISTRY[name].refuses(call)
+        if why is None and chosen is None:
+            chosen = name
+        elif why is not None:
+            refused[name] = why
+        else:
+            refused[name] = f"'{chosen}' comes first in the auto order"
+    assert chosen is not None, "the reference backend accepts every call"
+    return Dispatch(chosen, refused)
+
+
+def resolve(name: str, call: Call) -> Backend:
+    """The backend to run ``call`` with: ``name`` itself, or the auto choice."""
+    if name == "auto":
+        return _REGISTRY[explain_dispatch_call(call).backend]
+    backend = get(name)
+    why = backend.refuses(call)
+    if why is not None:
+        raise ValueError(f"backend {name!r} cannot run this call: {why}; use backend='auto'")
+    return backend
+
+
+from . import reference as _reference  # noqa: E402  (registers itself)
+from . import sdpa as _sdpa  # noqa: E402

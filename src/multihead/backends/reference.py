@@ -1,0 +1,157 @@
+"""The reference backend: attention as the tutorials teach it, one plain tensor op per step.
+
+This is the oracle every other backend and the module are tested against. It is written for
+reading, not speed: it materialises the (B, H, Lq, Lk) scores. Equivalent code::
+
+    k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)   # GQA: query head i reads kv head i // g
+    scores = (q @ k.transpose(-2, -1)) * scale             # (B, H, Lq, Lk)
+    scores = scores + bias                                  # float masks
+    scores = scores.masked_fill(~keep, -inf)                # bool masks: selection, not a big negative
+    weights = safe_softmax(scores)                          # a row with no visible key -> all 0
+    weights = dropout(weights, dropout_p)
+    out = weights @ v                                       # (B, H, Lq, Dv)
+
+float16/bfloat16 inputs are computed in float32 (scores, softmax and the weighted sum) and the
+result is cast back.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
+Dv value head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import trace as _trace
+from ..heads import REPEAT_KV_PATTERN, repeat_kv
+from ..masks import Mask
+from . import Backend, Call, register
+
+_NEG_INF = float("-inf")
+SCORES_PATTERN = "b h q d, b h k d -> b h q k"
+WEIGHTED_SUM_PATTERN = "b h q k, b h k d -> b h q d"
+SCORE_AXES = ("b", "h", "q", "k")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the half types, the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis in which a row of only -inf gives zeros, not NaN.
+
+    NaN and +inf inputs propagate as IEEE arithmetic says.
+    """
+    if scores.shape[-1] == 0:
+        return scores.clone()
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(row_max == _NEG_INF, torch.zeros_like(row_max), row_max)
+    e = torch.exp(scores - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(total == 0, torch.ones_like(total), total)
+
+
+def _mask_name(mask: Mask) -> str:
+    kinds = [p.kind for p in mask.parts if p.kind != "bias"]
+    return " & ".join(kinds) + " mask"
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask], *, scale: float
+) -> torch.Tensor:
+    """softmax(q kᵀ · scale + mask) in the compute dtype: (B, H, Lq, Lk). k is (B, H, Lk, D)."""
+    tr = _trace.current()
+    cdt = compute_dtype(q.dtype)
+    scores = q.to(cdt) @ k.to(cdt).transpose(-2, -1)
+    if tr is not None:
+        tr.record("scores QKᵀ", scores, SCORES_PATTERN, SCORE_AXES)
+    scores = scores * scale
+    if tr is not None:
+        tr.record("scale", scores, None, SCORE_AXES, note=f"× {scale:.6g} (1/√D when D = {q.shape[-1]})")
+    keep = None
+    if mask is not None:
+        mt = mask.materialize(tuple(scores.shape), device=scores.device, dtype=cdt)
+        keep = mt.keep
+        if mt.bias is not None:
+            scores = scores + mt.bias
+            if tr is not None:
+                tr.record("add bias", scores, None, SCORE_AXES)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, _NEG_INF)
+            if tr is not None:
+                tr.record(
+                    _mask_name(mask), scores, None, SCORE_AXES,
+                    checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
+                    note=repr(mask),
+                )
+    weights = safe_softmax(scores)
+    if tr is not None:
+        tr.record("softmax", weights, None, SCORE_AXES, checks=_softmax_checks(weights, scores))
+    return weights
+
+
+def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor) -> dict:
+    blocked = scores == _NEG_INF
+    visible_rows = ~blocked.all(dim=-1)
+    sums = weights.sum(dim=-1)
+    tol = 8 * torch.finfo(weights.dtype).eps * max(1, weights.shape[-1])
+    checks = {
+        "rows sum to 1": bool(((sums - 1).abs() <= tol)[visible_rows].all()),
+        "masked weights are exactly 0": bool((weights[blocked] == 0).all()),
+    }
+    if (~visible_rows).any():
+        checks["rows with no visible key are all 0"] = bool((weights[~visible_rows] == 0).all())
+    return checks
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[Mask],
+    *,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference forward, returning ``(out, weights)``; weights are those applied (after dropout)."""
+    tr = _trace.current()
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        src_k, src_v = k, v
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        if tr is not None:
+            tr.record("repeat kv heads", k, REPEAT_KV_PATTERN, ("b", "h", "t", "d"), source=src_k, role="K",
+                      note=f"each key/value head serves {groups} query heads")
+            tr.record("repeat kv heads", v, REPEAT_KV_PATTERN, ("b", "h", "t", "d"), source=src_v, role="V")
+    weights = attention_probs(q, k, mask, scale=scale)
+    if dropout_p > 0:
+        weights = F.dropout(weights, dropout_p, training=True)
+        if tr is not None:
+            tr.record("dropout", weights, None, SCORE_AXES, note=f"p = {dropout_p}; kept weights scaled by 1/(1-p)")
+    out = weights @ v.to(weights.dtype)
+    if tr is not None:
+        tr.record("weights × V", out, WEIGHTED_SUM_PATTERN, ("b", "h", "t", "d"))
+    return out.to(q.dtype), weights.to(q.dtype)
+
+
+def reference_attention(q, k, v, mask, *, scale, dropout_p):
+    return attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
+
+
+def _accepts_everything(call: Call) -> Optional[str]:
+    return None
+
+
+BACKEND = register(
+    Backend(
+        name="reference",
+        fn=reference_attention,
+        refuses=_accepts_everything,
+        summary="plain tensor ops in the tutorials' order; materialises the (B, H, Lq, Lk) scores",
+    ),
+    auto_rank=0,
+)

@@ -1,0 +1,1 @@
+"""``multihead explain``: the walkthrough (text/json/markdown), the visual formats, real models."""

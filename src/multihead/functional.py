@@ -1,0 +1,98 @@
+"""Functional attention: ``attention``, ``attention_weights`` and ``explain_dispatch``.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
+Dv value head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import backends as _backends
+from . import trace as _trace
+from ._checks import check_dropout, check_qkv, check_scale
+from .backends import reference as _reference
+from .heads import repeat_kv
+from .masks import as_mask
+
+__all__ = ["attention", "attention_weights", "explain_dispatch"]
+
+
+def _prepare(q, k, v, mask, scale, dropout_p):
+    check_qkv(q, k, v)
+    scale = check_scale(scale, q.shape[-1])
+    dropout_p = check_dropout(dropout_p)
+    m = as_mask(mask)
+    if m is not None:
+        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+    return m, scale, dropout_p
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Scaled dot-product attention over heads, with grouped-query support.
+
+    Args:
+        q: (B, H, Lq, D) queries.
+        k: (B, Hkv, Lk, D) keys; Hkv divides H (query head i reads key/value head i // (H // Hkv)).
+        v: (B, Hkv, Lk, Dv) values.
+        mask: None; a :mod:`multihead.masks` mask (``causal()``, ``key_padding(keep)``, ``window(w)``,
+            ``keep(t)``, ``bias(t)`` or their ``&``); a bool tensor (True = may attend) or a float
+            tensor (added to the scores), broadcastable to (B, H, Lq, Lk).
+        scale: multiplies q·kᵀ; default 1/√D.
+        dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
+        backend: "auto", "reference", "sdpa" (see :func:`multihead.backends.names`).
+
+    Returns:
+        (B, H, Lq, Dv). A query row with no visible key gives 0.
+
+    Equivalent to (the ``reference`` backend)::
+
+        weights = softmax((q @ k.transpose(-2, -1)) * scale + bias, masked to -inf where not keep)
+        out = dropout(weights) @ v
+    """
+    m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
+    chosen = _backends.resolve(backend, _backends.Call(q, k, v, m, dropout_p))
+    tr = _trace.current()
+    if tr is not None:
+        tr.set_config(backend=chosen.name)
+    return chosen.fn(q, k, v, m, scale=scale, dropout_p=dropout_p)
+
+
+def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
+    """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
+    m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
+    tr = _trace.current()
+    if tr is not None:
+        tr.set_config(backend="reference")
+    return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask=None, *, scale: Optional[float] = None) -> torch.Tensor:
+    """The softmax probabilities (B, H, Lq, Lk) for q (B, H, Lq, D) and k (B, Hkv, Lk, D).
+
+    Rows sum to 1 where any key is visible and are all 0 where none is.
+    """
+    check_qkv(q, k)
+    scale = check_scale(scale, q.shape[-1])
+    m = as_mask(mask)
+    if m is not None:
+        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+    k = repeat_kv(k, q.shape[1] // k.shape[1])
+    return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
+
+
+def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0) -> _backends.Dispatch:
+    """Which backend ``backend="auto"`` would run for this call, and why each other was refused."""
+    m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
+    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p))

@@ -1,0 +1,54 @@
+"""Moving between one wide feature axis and per-head axes.
+
+Each reshape has a name and an einops-style pattern, which the trace prints. Axis letters:
+b batch, t tokens, h heads, d head dim, g query heads per key/value head (GQA).
+
+``split_heads`` is the tutorials' ``view`` followed by ``transpose(1, 2)``: the data does not
+move, only how it is indexed. ``merge_heads`` is the inverse; it copies, because after the
+transpose the head axis is no longer next to the feature axis in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import trace as _trace
+
+SPLIT_PATTERN = "b t (h d) -> b t h d"
+MOVE_FORWARD_PATTERN = "b t h d -> b h t d"
+MOVE_BACK_PATTERN = "b h t d -> b t h d"
+MERGE_PATTERN = "b t h d -> b t (h d)"
+REPEAT_KV_PATTERN = "b hkv t d -> b (hkv g) t d"
+
+
+def split_heads(x: torch.Tensor, num_heads: int, *, role: str = "") -> torch.Tensor:
+    """(B, L, H*D) -> (B, H, L, D), as a view: ``'b t (h d) -> b h t d'``."""
+    B, L, F = x.shape
+    tr = _trace.current()
+    y = x.view(B, L, num_heads, F // num_heads)
+    if tr is not None:
+        tr.record("split heads", y, SPLIT_PATTERN, ("b", "t", "h", "d"), source=x, role=role)
+    z = y.transpose(1, 2)
+    if tr is not None:
+        tr.record("move heads forward", z, MOVE_FORWARD_PATTERN, ("b", "h", "t", "d"), source=y, role=role)
+    return z
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B, L, H*D): ``'b h t d -> b t (h d)'``."""
+    B, H, L, D = x.shape
+    tr = _trace.current()
+    y = x.transpose(1, 2)
+    if tr is not None:
+        tr.record("move heads back", y, MOVE_BACK_PATTERN, ("b", "t", "h", "d"), source=x)
+    z = y.reshape(B, L, H * D)
+    if tr is not None:
+        tr.record("merge heads", z, MERGE_PATTERN, ("b", "t", "d_out"), source=y)
+    return z
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, Hkv*g, L, D): query head i reads key/value head i // g."""
+    if groups == 1:
+        return x
+    return x.repeat_interleave(groups, dim=1)

@@ -1,0 +1,439 @@
+"""Attention masks, with one convention everywhere: ``True`` = this query may attend to this key.
+
+=======================  ================================  ==============================
+who                      boolean mask means                float mask means
+=======================  ================================  ==============================
+multihead (this module)  True = may attend                 added to the scores
+torch SDPA               True = may attend                 added to the scores
+nn.MultiheadAttention    True = **blocked** (opposite)     added to the scores
+=======================  ================================  ==============================
+
+Convert nn.MultiheadAttention's masks once, with :func:`from_torch`.
+
+Every mask here is a small object that knows how to build its tensors for given lengths, so
+structure (causal, a window) is kept until a backend decides how to use it. Masks compose
+with ``&``:
+
+* keep & keep  -> a key is visible only where both allow it;
+* bias & keep  -> the bias where allowed, no attention elsewhere;
+* bias & bias  -> the sum of the biases.
+
+A plain bool tensor passed as ``mask`` means :func:`keep`; a float tensor means :func:`bias`.
+
+Alignment when Lq != Lk (example Lq=2, Lk=5; rows are queries, columns keys)::
+
+    causal(align="bottom_right")      causal(align="top_left")
+        1 1 1 1 0                         1 0 0 0 0
+        1 1 1 1 1                         1 1 0 0 0
+
+Bottom-right puts the last query on the last key: it is what a decode step over a KV cache
+needs (the new tokens come after the cached ones). Top-left is SDPA's ``is_causal`` rule.
+Query i (0-based) sees key j when ``j <= i + offset``, with offset ``Lk - Lq`` (bottom-right)
+or 0 (top-left). When Lq > Lk bottom-right leaves the first ``Lq - Lk`` queries with no key:
+those rows give output 0 and weights 0.
+
+A row that no key is left to attend to gives output 0 and weights 0 in every backend.
+
+Legend: B batch, H query heads, Lq/Lk query/key lengths.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "Mask",
+    "MaskTensors",
+    "causal",
+    "window",
+    "key_padding",
+    "keep",
+    "bias",
+    "as_mask",
+    "from_torch",
+    "ALIGNMENTS",
+]
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+@dataclass(frozen=True)
+class MaskTensors:
+    """The materialised mask: ``keep`` (bool) and ``bias`` (float), each broadcastable to
+    (B, H, Lq, Lk), either of them ``None`` when the mask has no such part."""
+
+    keep: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+
+
+def diagonal_offset(align: str, lq: int, lk: int) -> int:
+    """Key index that query 0's diagonal sits on: ``Lk - Lq`` bottom-right, 0 top-left."""
+    return lk - lq if align == "bottom_right" else 0
+
+
+class Mask:
+    """Base class. Subclasses build their tensors in :meth:`materialize`."""
+
+    #: the parts this mask is made of (a leaf is its own only part)
+    @property
+    def parts(self) -> tuple["Mask", ...]:
+        return (self,)
+
+    def __and__(self, other) -> "Mask":
+        other = as_mask(other, name="the right operand of &")
+        if other is None:
+            return self
+        return AllOf(self.parts + other.parts)
+
+    def __rand__(self, other) -> "Mask":
+        other = as_mask(other, name="the left operand of &")
+        if other is None:
+            return self
+        return AllOf(other.parts + self.parts)
+
+    def materialize(self, shape, *, device, dtype) -> MaskTensors:
+        """Build the tensors for ``shape`` = (B, H, Lq, Lk); bias is cast to ``dtype``."""
+        keep_t: Optional[torch.Tensor] = None
+        bias_t: Optional[torch.Tensor] = None
+        for part in self.parts:
+            k, b = part._build(shape, device=device, dtype=dtype)
+            if k is not None:
+                keep_t = k if keep_t is None else keep_t & k
+            if b is not None:
+                bias_t = b if bias_t is None else bias_t + b
+        return MaskTensors(keep_t, bias_t)
+
+    def check(self, shape, device, name: str = "mask") -> None:
+        """Raise ValueError when this mask cannot apply to ``shape`` = (B, H, Lq, Lk) on ``device``."""
+        for part in self.parts:
+            part._check(tuple(shape), device, name)
+
+    # -- for leaves
+    def _build(self, shape, *, device, dtype):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check(self, shape, device, name) -> None:
+        return None
+
+
+class AllOf(Mask):
+    """Conjunction of masks built with ``&``."""
+
+    def __init__(self, parts):
+        self._parts = tuple(parts)
+
+    @property
+    def parts(self):
+        return self._parts
+
+    def __repr__(self) -> str:
+        return " & ".join(repr(p) for p in self._parts)
+
+
+def _index_grid(lq: int, lk: int, offset: int, device):
+    i = torch.arange(lq, device=device).unsqueeze(-1) + offset
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    return i, j
+
+
+class Causal(Mask):
+    """Query i sees key j when ``j <= i + offset`` (see the module docstring's pictures)."""
+
+    kind = "causal"
+
+    def __init__(self, align: str = "bottom_right"):
+        if align not in ALIGNMENTS:
+            raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+        self.align = align
+
+    def _build(self, shape, *, device, dtype):
+        lq, lk = shape[-2:]
+        i, j = _index_grid(lq, lk, diagonal_offset(self.align, lq, lk), device)
+        return j <= i, None
+
+    def __repr__(self) -> str:
+        return f"causal(align={self.align!r})"
+
+
+class Window(Mask):
+    """Query i sees keys ``i+offset-left ... i+offset+right`` inclusive (local attention)."""
+
+    kind = "window"
+
+    def __init__(self, left: Optional[int], right: Optional[int] = 0, align: str = "bottom_right"):
+        for value, name in ((left, "left"), (right, "right")):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"window {name} must be an int or None, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(
+                    f"window {name} must be >= 0, got {value}; it counts keys on that side "
+                    "of the query (None = unlimited)"
+                )
+        if align not in ALIGNMENTS:
+            raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+        self.left = None if left is None else int(left)
+        self.right = None if right is None else int(right)
+        self.align = align
+
+    def _build(self, shape, *, device, dtype):
+        lq, lk = shape[-2:]
+        i, j = _index_grid(lq, lk, diagonal_offset(self.align, lq, lk), device)
+        ok = torch.ones(lq, lk, dtype=torch.bool, device=device)
+        if self.left is not None:
+            ok = ok & (j >= i - self.left)
+        if self.right is not None:
+            ok = ok & (j <= i + self.right)
+        return ok, None
+
+    def __repr__(self) -> str:
+        return f"window(left={self.left}, right={self.right}, align={self.align!r})"
+
+
+def _check_broadcast(t: torch.Tensor, target, device, name, what) -> None:
+    if t.device != device:
+        raise ValueError(
+            f"{name} ({what}) is on {t.device} but the query is on {device}; "
+            f"move it with .to({str(device)!r})"
+        )
+    ok = t.dim() <= 4 and all(
+        s == 1 or s == want for s, want in zip(reversed(t.shape), reversed(target))
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} ({what}) has shape {tuple(t.shape)}, which does not broadcast to "
+            f"(B, H, Lq, Lk) = {target}; give it shape (Lq, Lk), (B, 1, Lq, Lk) or "
+            "(B, H, Lq, Lk), or use masks.key_padding for a (B, Lk) padding mask"
+        )
+
+
+class Keep(Mask):
+    """A boolean tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
+
+    kind = "keep"
+
+    def __init__(self, t: torch.Tensor):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"keep() takes a bool torch.Tensor, got {type(t).__name__}; use torch.as_tensor")
+        if t.dtype != torch.bool:
+            raise TypeError(
+                f"keep() takes a bool tensor (True = may attend), got {t.dtype}; "
+                "use t.bool() for 0/1 masks, or masks.bias() for additive float masks"
+            )
+        self.tensor = t
+
+    def _build(self, shape, *, device, dtype):
+        return self.tensor, None
+
+    def _check(self, shape, device, name):
+        _check_broadcast(self.tensor, shape, device, name, "keep mask")
+
+    def __repr__(self) -> str:
+        return f"keep(shape={tuple(self.tensor.shape)})"
+
+
+class Bias(Mask):
+    """A float tensor broadcastable to (B, H, Lq, Lk), added to the scaled scores.
+
+    A ``-inf`` entry blocks that key like a False in a keep mask.
+    """
+
+    kind = "bias"
+
+    def __init__(self, t: torch.Tensor):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"bias() takes a float torch.Tensor, got {type(t).__name__}; use torch.as_tensor")
+        if not t.is_floating_point():
+            raise TypeError(
+                f"bias() takes a floating tensor added to the scores, got {t.dtype}; "
+                "use masks.keep() for a boolean mask"
+            )
+        self.tensor = t
+
+    def _build(self, shape, *, device, dtype):
+        return None, self.tensor.to(dtype)
+
+    def _check(self, shape, device, name):
+        _check_broadcast(self.tensor, shape, device, name, "bias")
+
+    def __repr__(self) -> str:
+        return f"bias(shape={tuple(self.tensor.shape)})"
+
+
+class KeyPadding(Mask):
+    """A bool (B, Lk) tensor, True for real tokens, False for padding keys."""
+
+    kind = "padding"
+
+    def __init__(self, keep_t: torch.Tensor):
+        if not isinstance(keep_t, torch.Tensor):
+            raise TypeError(
+                f"key_padding() takes a bool torch.Tensor (B, Lk), got {type(keep_t).__name__}; "
+                "use torch.as_tensor"
+            )
+        if keep_t.dtype != torch.bool:
+            raise TypeError(
+                f"key_padding() takes a bool (B, Lk) tensor with True for real tokens, got {keep_t.dtype}; "
+                "for nn.MultiheadAttention's key_padding_mask (True = padding) use masks.from_torch"
+            )
+        if keep_t.dim() != 2:
+            raise ValueError(
+                f"key_padding() takes a (B, Lk) tensor, got shape {tuple(keep_t.shape)}"
+            )
+        self.tensor = keep_t
+
+    def _build(self, shape, *, device, dtype):
+        return self.tensor[:, None, None, :], None
+
+    def _check(self, shape, device, name):
+        t = self.tensor
+        batch, _, _, lk = shape
+        if t.device != device:
+            raise ValueError(
+                f"{name} (key padding) is on {t.device} but the query is on {device}; "
+                f"move it with .to({str(device)!r})"
+            )
+        if tuple(t.shape) != (batch, lk):
+            raise ValueError(
+                f"{name} (key padding) has shape {tuple(t.shape)} but must be (B, Lk) = {(batch, lk)}"
+            )
+
+    def __repr__(self) -> str:
+        return f"key_padding(shape={tuple(self.tensor.shape)})"
+
+
+def causal(align: str = "bottom_right") -> Mask:
+    """Causal mask; ``align`` is ``"bottom_right"`` (default) or ``"top_left"`` when Lq != Lk."""
+    return Causal(align)
+
+
+def window(left: Optional[int], right: Optional[int] = 0, *, align: str = "bottom_right") -> Mask:
+    """Local attention: query i sees keys i-left ... i+right (aligned like :func:`causal`).
+
+    ``window(w)`` is a causal sliding window of w past keys plus the query's own position;
+    ``None`` on a side means unlimited.
+    """
+    return Window(left, right, align)
+
+
+def key_padding(keep_t: torch.Tensor) -> Mask:
+    """Bool (B, Lk), True for real tokens: padded keys get no attention."""
+    return KeyPadding(keep_t)
+
+
+def keep(t: torch.Tensor) -> Mask:
+    """Bool tensor broadcastable to (B, H, Lq, Lk): True = may attend."""
+    return Keep(t)
+
+
+def bias(t: torch.Tensor) -> Mask:
+    """Float tensor broadcastable to (B, H, Lq, Lk), added to the scaled scores."""
+    return Bias(t)
+
+
+_CONVENTION = (
+    "multihead masks say True = this query may attend to this key (SDPA's convention); "
+    "a float tensor is a bias added to the scores. nn.MultiheadAttention's bool masks mean the "
+    "opposite (True = blocked): convert them with multihead.masks.from_torch(attn_mask=..., "
+    "key_padding_mask=...) or pass ~mask."
+)
+
+
+def as_mask(mask, name: str = "mask") -> Optional[Mask]:
+    """Normalise what users pass as ``mask``: None, a Mask, a bool tensor (keep) or a float tensor (bias)."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype == torch.bool:
+            return Keep(mask)
+        if mask.is_floating_point():
+            return Bias(mask)
+        raise TypeError(f"{name} has dtype {mask.dtype}, which is neither bool nor float. " + _CONVENTION)
+    raise TypeError(
+        f"{name} must be None, a multihead.masks mask, or a torch.Tensor, got {type(mask).__name__}; "
+        "for array-likes use torch.as_tensor(mask, dtype=torch.bool)"
+    )
+
+
+def from_torch(attn_mask=None, key_padding_mask=None) -> Optional[Mask]:
+    """Convert nn.MultiheadAttention's masks (True = blocked) to this module's convention.
+
+    attn_mask: bool (Lq, Lk) or (B*H, Lq, Lk) with True = blocked, or float (added); for the
+    3-D form the batch and head axes are unflattened when the mask is used.
+    key_padding_mask: bool (B, Lk) with True = padding, or float (added).
+    """
+    out: Optional[Mask] = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dim() == 3:
+            attn_mask = _TorchHeadsMask.wrap(attn_mask)
+        if isinstance(attn_mask, Mask):
+            out = attn_mask
+        elif attn_mask.dtype == torch.bool:
+            out = Keep(~attn_mask)
+        elif attn_mask.is_floating_point():
+            out = Bias(attn_mask)
+        else:
+            raise TypeError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(
+                f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}"
+            )
+        if key_padding_mask.dim() != 2:
+            raise ValueError(
+                f"key_padding_mask must be (B, Lk), got shape {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.dtype == torch.bool:
+            kp: Mask = KeyPadding(~key_padding_mask)
+        elif key_padding_mask.is_floating_point():
+            kp = Bias(key_padding_mask[:, None, None, :])
+        else:
+            raise TypeError(f"key_padding_mask must be bool or float, got {key_padding_mask.dtype}")
+        out = kp if out is None else out & kp
+    return out
+
+
+class _TorchHeadsMask(Mask):
+    """nn.MultiheadAttention's 3-D attn_mask (B*H, Lq, Lk), reshaped once B and H are known."""
+
+    kind = "torch"
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+
+    @classmethod
+    def wrap(cls, t: torch.Tensor) -> Mask:
+        if t.dtype != torch.bool and not t.is_floating_point():
+            raise TypeError(f"attn_mask must be bool or float, got {t.dtype}")
+        return cls(t)
+
+    def _unflatten(self, heads: int) -> torch.Tensor:
+        t = self.tensor
+        return t.reshape(t.shape[0] // heads, heads, *t.shape[1:])
+
+    def _build(self, shape, *, device, dtype):
+        t = self._unflatten(shape[1])
+        if t.dtype == torch.bool:
+            return ~t, None
+        return None, t.to(dtype)
+
+    def _check(self, shape, device, name):
+        t = self.tensor
+        batch, heads, lq, lk = shape
+        if tuple(t.shape) != (batch * heads, lq, lk):
+            raise ValueError(
+                f"{name} (nn.MultiheadAttention 3-D attn_mask) has shape {tuple(t.shape)}, "
+                f"expected (B*H, Lq, Lk) = {(batch * heads, lq, lk)}"
+            )
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the query is on {device}")
+
+    def __repr__(self) -> str:
+        return f"from_torch(attn_mask of shape {tuple(self.tensor.shape)})"

@@ -1,0 +1,302 @@
+"""``MultiHeadAttention``: projections, head split, attention, head merge, output projection.
+
+Data flow of ``mha(x)`` (self-attention), with the step names the trace prints::
+
+    x (B, L, d_in)
+      -> project Q, K, V      one product with [W_q; W_k; W_v]   (B, L, d_out) and 2 x (B, L, Hkv*D)
+      -> split heads          'b t (h d) -> b t h d'  (a view)    (B, L, H, D)
+      -> move heads forward   'b t h d -> b h t d'    (a view)    (B, H, L, D)
+      -> attention            scores, scale, mask, softmax, weights x V   (B, H, L, D)
+      -> move heads back      'b h t d -> b t h d'                (B, L, H, D)
+      -> merge heads          'b t h d -> b t (h d)'              (B, L, d_out)
+      -> output projection    W_O                                 (B, L, d_out)
+
+Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import backends as _backends
+from . import masks as _masks
+from . import trace as _trace
+from ._checks import check_tensor
+from .backends import reference as _reference
+from .config import AttentionConfig
+from .heads import merge_heads, split_heads
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, batch-first, with GQA, cross-attention and typed masks.
+
+    Args:
+        d_in: feature size of the query input.
+        num_heads: H, the number of query heads.
+        d_out: H * head_dim, the size of the output (default ``d_in``).
+        num_kv_heads: Hkv, key/value heads (default H). Hkv < H is grouped-query attention.
+        kdim, vdim: feature sizes of the key / value inputs (default ``d_in`` / ``kdim``).
+        bias: whether the four projections have biases.
+        dropout: dropout on the attention weights, applied in training only.
+        causal: apply a bottom-right aligned causal mask (see :func:`multihead.masks.causal`).
+        backend: "auto" (fastest that supports the call), "reference" or "sdpa".
+
+    Submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` are ``nn.Linear`` (weight is
+    (out, in)), so weights from other implementations load by copying tensors.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        num_heads: int,
+        d_out: Optional[int] = None,
+        *,
+        num_kv_heads: Optional[int] = None,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        causal: bool = False,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        cfg = AttentionConfig(
+            d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, kdim=kdim,
+            vdim=vdim, bias=bias, dropout=dropout, causal=causal, backend=backend,
+        )
+        self.config = cfg
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(cfg.d_in, cfg.d_out, bias=cfg.bias, **factory)
+        self.k_proj = nn.Linear(cfg.kdim, cfg.kv_dim, bias=cfg.bias, **factory)
+        self.v_proj = nn.Linear(cfg.vdim, cfg.kv_dim, bias=cfg.bias, **factory)
+        self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
+        self._causal_mask = _masks.causal() if cfg.causal else None
+        self._fused_cache: dict = {}
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def extra_repr(self) -> str:
+        c = self.config
+        parts = [f"d_in={c.d_in}", f"num_heads={c.num_heads}", f"d_out={c.d_out}", f"head_dim={c.head_dim}"]
+        if c.num_kv_heads != c.num_heads:
+            parts.append(f"num_kv_heads={c.num_kv_heads}")
+        if c.kdim != c.d_in or c.vdim != c.d_in:
+            parts.append(f"kdim={c.kdim}, vdim={c.vdim}")
+        parts += [f"causal={c.causal}", f"dropout={c.dropout}", f"backend={c.backend!r}"]
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------ projections
+    def _fused(self, names: tuple) -> tuple:
+        """Concatenated weight and bias of the named projections.
+
+        With autograd recording, they are concatenated on each call (the backward then splits
+        the gradient). Otherwise the concatenation is cached and rebuilt only when a weight
+        changes (its storage or its in-place version counter).
+        """
+        linears = [getattr(self, n) for n in names]
+        tensors = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return (
+                torch.cat([lin.weight for lin in linears]),
+                torch.cat([lin.bias for lin in linears]) if self.config.bias else None,
+            )
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        hit = self._fused_cache.get(names)
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        with torch.no_grad():
+            w = torch.cat([lin.weight for lin in linears])
+            b = torch.cat([lin.bias for lin in linears]) if self.config.bias else None
+        self._fused_cache[names] = (key, w, b)
+        return w, b
+
+    def _project(self, query, key, value, tr):
+        """Q (B, Lq, d_out), K and V (B, Lk, Hkv*D): one product for self-attention,
+        one for K and V when they share an input."""
+        cfg = self.config
+        sizes = (cfg.d_out, cfg.kv_dim, cfg.kv_dim)
+        if key is query and value is query:
+            w, b = self._fused(("q_proj", "k_proj", "v_proj"))
+            q, k, v = F.linear(query, w, b).split(sizes, dim=-1)
+            note = "one product with the concatenated weights [W_q; W_k; W_v]"
+        else:
+            q = F.linear(query, self.q_proj.weight, self.q_proj.bias)
+            if value is key and cfg.kdim == cfg.vdim:
+                w, b = self._fused(("k_proj", "v_proj"))
+                k, v = F.linear(key, w, b).split(sizes[1:], dim=-1)
+                note = "K and V: one product with [W_k; W_v]"
+            else:
+                k = F.linear(key, self.k_proj.weight, self.k_proj.bias)
+                v = F.linear(value, self.v_proj.weight, self.v_proj.bias)
+                note = ""
+        if tr is not None:
+            for name, t, lin, src in (("Q", q, self.q_proj, query), ("K", k, self.k_proj, key), ("V", v, self.v_proj, value)):
+                checks = {}
+                if note:  # the seeds' claim: one product with stacked weights = separate products
+                    separate = F.linear(src, lin.weight, lin.bias)
+                    checks["equals its own separate product"] = torch.allclose(t, separate, rtol=1e-4, atol=1e-5)
+                tr.record(f"project {name}", t, None, ("b", "t", "d_out" if name == "Q" else "d_kv"), checks=checks, note=note)
+        return q, k, v
+
+    # ------------------------------------------------------------------ forward
+    def _check_inputs(self, query, key, value):
+        cfg = self.config
+        check_tensor(query, "query")
+        if query.dim() == 2:
+            raise ValueError(
+                f"query has shape {tuple(query.shape)}: MultiHeadAttention is batch-first (B, L, d_in); "
+                "add the batch axis with query.unsqueeze(0)"
+            )
+        if query.dim() != 3:
+            raise ValueError(f"query must be (B, Lq, d_in), got shape {tuple(query.shape)}")
+        if query.shape[-1] != cfg.d_in:
+            raise ValueError(f"query has {query.shape[-1]} features but d_in={cfg.d_in}")
+        w = self.q_proj.weight
+        if query.dtype != w.dtype:
+            raise TypeError(
+                f"query is {query.dtype} but the module's weights are {w.dtype}; "
+                f"call mha.to({query.dtype}) or pass query.to({w.dtype})"
+            )
+        if query.device != w.device:
+            raise ValueError(
+                f"query is on {query.device} but the module is on {w.device}; move one of them (mha.to(query.device))"
+            )
+        for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
+            check_tensor(t, name)
+            if t.dim() != 3:
+                raise ValueError(f"{name} must be (B, Lk, {dim}), got shape {tuple(t.shape)}")
+            if t.shape[-1] != size:
+                raise ValueError(f"{name} has {t.shape[-1]} features but {dim}={size}")
+            if t.shape[0] != query.shape[0]:
+                raise ValueError(
+                    f"{name} has batch {t.shape[0]} but query has {query.shape[0]}; they must match"
+                )
+            if t.dtype != query.dtype or t.device != query.device:
+                raise TypeError(
+                    f"{name} is {t.dtype} on {t.device} but query is {query.dtype} on {query.device}; "
+                    "use one dtype and device"
+                )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(
+                f"key has {key.shape[1]} tokens but value has {value.shape[1]}; they must match"
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        value: Optional[torch.Tensor] = None,
+        *,
+        mask=None,
+        return_weights: bool = False,
+    ):
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query: (B, Lq, d_in).
+            key: (B, Lk, kdim); default ``query`` (self-attention).
+            value: (B, Lk, vdim); default ``key``.
+            mask: a :mod:`multihead.masks` mask, a bool tensor (True = may attend) or a float
+                tensor (added to the scores), broadcastable to (B, H, Lq, Lk). Combined with
+                the module's causal mask when ``causal=True``.
+            return_weights: also return the per-head weights (B, H, Lq, Lk) actually applied
+                (after dropout in training); this runs the reference backend.
+
+        Returns:
+            (B, Lq, d_out), or ``(out, weights)``.
+        """
+        cfg = self.config
+        if key is None:
+            if cfg.kdim != cfg.d_in:
+                raise ValueError(
+                    f"key is required: kdim={cfg.kdim} differs from d_in={cfg.d_in}, so the query cannot be its own key"
+                )
+            key = query
+        if value is None:
+            if cfg.vdim != cfg.kdim:
+                raise ValueError(
+                    f"value is required: vdim={cfg.vdim} differs from kdim={cfg.kdim}; call mha(query, key, value)"
+                )
+            value = key
+        self._check_inputs(query, key, value)
+        tr = _trace.current()
+        if tr is not None:
+            tr.set_config(**{k: v for k, v in cfg.to_dict().items()}, head_dim=cfg.head_dim)
+            tr.record("input", query, None, ("b", "t", "d_in"))
+
+        q, k, v = self._project(query, key, value, tr)
+        q = split_heads(q, cfg.num_heads, role="Q")
+        k = split_heads(k, cfg.num_kv_heads, role="K")
+        v = split_heads(v, cfg.num_kv_heads, role="V")
+
+        m = _masks.as_mask(mask)
+        if self._causal_mask is not None:
+            m = self._causal_mask if m is None else self._causal_mask & m
+        dropout_p = cfg.dropout if self.training else 0.0
+        shape = (q.shape[0], cfg.num_heads, q.shape[2], k.shape[2])
+        if m is not None:
+            m.check(shape, q.device)
+        scale = cfg.head_dim ** -0.5
+
+        weights = None
+        if return_weights:
+            if tr is not None:
+                tr.set_config(backend="reference")
+            o, weights = _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
+        else:
+            chosen = _backends.resolve(cfg.backend, _backends.Call(q, k, v, m, dropout_p))
+            if tr is not None:
+                tr.set_config(backend=chosen.name)
+            o = chosen.fn(q, k, v, m, scale=scale, dropout_p=dropout_p)
+
+        o = merge_heads(o)
+        out = F.linear(o, self.out_proj.weight, self.out_proj.bias)
+        if tr is not None:
+            tr.record("output projection", out, None, ("b", "t", "d_out"), note="W_O mixes the heads")
+        return (out, weights) if return_weights else out
+
+    # ------------------------------------------------------------------ conversions
+    def to_per_head(self):
+        """The same layer as h independent heads (:class:`multihead.PerHeadAttention`)."""
+        from .per_head import to_per_head
+
+        return to_per_head(self)
+
+    @classmethod
+    def from_per_head(cls, p, *, num_kv_heads: Optional[int] = None) -> "MultiHeadAttention":
+        """Fuse a :class:`PerHeadAttention` back; with ``num_kv_heads`` its K/V copies are regrouped."""
+        from .per_head import from_per_head
+
+        return from_per_head(p, num_kv_heads=num_kv_heads)
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """Copy an ``nn.MultiheadAttention``; the result is batch-first whatever ``m.batch_first`` is."""
+        from .interop import from_torch
+
+        return from_torch(m)
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention`` with the same weights (raises ValueError if it cannot express this module)."""
+        from .interop import to_torch
+
+        return to_torch(self, batch_first=batch_first)

@@ -1,0 +1,149 @@
+"""``PerHeadAttention``: h independent heads, concatenated, then W_O.
+
+This is multi-head attention as the paper writes it, ``Concat(head_1, ..., head_h) W_O`` with
+``head_i = Attention(x W_q^i, x W_k^i, x W_v^i)``. It exists to show, executably, that it is
+the same function as :class:`multihead.MultiHeadAttention`, which computes all heads with one
+product over the stacked matrices ``W_q = [W_q^1; ...; W_q^h]`` and a reshape. Convert between
+them with ``mha.to_per_head()`` and ``MultiHeadAttention.from_per_head(p)``.
+
+Legend: B batch, Lq/Lk lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import masks as _masks
+from ._checks import check_heads, check_positive_int
+from .config import AttentionConfig
+from .functional import attention
+
+__all__ = ["PerHeadAttention", "Head"]
+
+
+class Head(nn.Module):
+    """One attention head: its own W_q^i, W_k^i, W_v^i (each ``nn.Linear`` to head_dim)."""
+
+    def __init__(self, d_in: int, kdim: int, vdim: int, head_dim: int, bias: bool, **factory):
+        super().__init__()
+        self.q = nn.Linear(d_in, head_dim, bias=bias, **factory)
+        self.k = nn.Linear(kdim, head_dim, bias=bias, **factory)
+        self.v = nn.Linear(vdim, head_dim, bias=bias, **factory)
+
+    def forward(self, query, key, value, mask, dropout_p: float) -> torch.Tensor:
+        """(B, Lq, d_in), (B, Lk, kdim), (B, Lk, vdim) -> (B, Lq, D); the head axis is 1 inside."""
+        q = self.q(query).unsqueeze(1)
+        k = self.k(key).unsqueeze(1)
+        v = self.v(value).unsqueeze(1)
+        return attention(q, k, v, mask, dropout_p=dropout_p, backend="reference").squeeze(1)
+
+
+class PerHeadAttention(nn.Module):
+    """h independent :class:`Head` modules, concatenated and projected by ``out_proj`` (W_O).
+
+    Same arguments as :class:`multihead.MultiHeadAttention` except ``num_kv_heads`` (each head
+    here has its own K/V; see ``to_per_head`` for GQA).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        num_heads: int,
+        d_out: Optional[int] = None,
+        *,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        causal: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        cfg = AttentionConfig(d_in=d_in, num_heads=num_heads, d_out=d_out, kdim=kdim, vdim=vdim,
+                              bias=bias, dropout=dropout, causal=causal, backend="reference")
+        self.config = cfg
+        factory = {"device": device, "dtype": dtype}
+        self.heads = nn.ModuleList(
+            Head(cfg.d_in, cfg.kdim, cfg.vdim, cfg.head_dim, cfg.bias, **factory) for _ in range(cfg.num_heads)
+        )
+        self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
+
+    def forward(self, query, key=None, value=None, *, mask=None) -> torch.Tensor:
+        """(B, Lq, d_in) [, (B, Lk, kdim) [, (B, Lk, vdim)]] -> (B, Lq, d_out)."""
+        cfg = self.config
+        if query.dim() != 3 or query.shape[-1] != cfg.d_in:
+            raise ValueError(f"query must be (B, Lq, d_in={cfg.d_in}), got shape {tuple(query.shape)}")
+        key = query if key is None else key
+        value = key if value is None else value
+        m = _masks.as_mask(mask)
+        if cfg.causal:
+            m = _masks.causal() if m is None else _masks.causal() & m
+        p = cfg.dropout if self.training else 0.0
+        outs = [head(query, key, value, m, p) for head in self.heads]
+        return self.out_proj(torch.cat(outs, dim=-1))
+
+
+def to_per_head(mha) -> PerHeadAttention:
+    """Split a MultiHeadAttention into independent heads; GQA K/V projections are copied to every head that reads them."""
+    c = mha.config
+    w0 = mha.q_proj.weight
+    p = PerHeadAttention(c.d_in, c.num_heads, c.d_out, kdim=c.kdim, vdim=c.vdim, bias=c.bias,
+                         dropout=c.dropout, causal=c.causal, device=w0.device, dtype=w0.dtype)
+    D, g = c.head_dim, c.groups
+    with torch.no_grad():
+        for i, head in enumerate(p.heads):
+            kv = i // g
+            for dst, src, row in ((head.q, mha.q_proj, i), (head.k, mha.k_proj, kv), (head.v, mha.v_proj, kv)):
+                dst.weight.copy_(src.weight[row * D:(row + 1) * D])
+                if c.bias:
+                    dst.bias.copy_(src.bias[row * D:(row + 1) * D])
+        p.out_proj.load_state_dict(mha.out_proj.state_dict())
+    p.train(mha.training)
+    return p
+
+
+def from_per_head(p: PerHeadAttention, *, num_kv_heads: Optional[int] = None):
+    """Stack the heads' matrices into one MultiHeadAttention.
+
+    With ``num_kv_heads`` = Hkv < H, heads ``j*g ... j*g+g-1`` (g = H // Hkv) must hold identical
+    K and V projections, which become key/value head j; otherwise ValueError.
+    """
+    from .module import MultiHeadAttention
+
+    if not isinstance(p, PerHeadAttention):
+        raise TypeError(f"from_per_head takes a PerHeadAttention, got {type(p).__name__}")
+    c = p.config
+    hkv = c.num_heads if num_kv_heads is None else check_positive_int(num_kv_heads, "num_kv_heads")
+    check_heads(c.num_heads, hkv, "num_heads", "num_kv_heads")
+    g = c.num_heads // hkv
+    w0 = p.out_proj.weight
+    mha = MultiHeadAttention(c.d_in, c.num_heads, c.d_out, num_kv_heads=hkv, kdim=c.kdim, vdim=c.vdim,
+                             bias=c.bias, dropout=c.dropout, causal=c.causal, device=w0.device, dtype=w0.dtype)
+    heads = list(p.heads)
+    for j in range(hkv):
+        group = heads[j * g:(j + 1) * g]
+        for name in ("k", "v"):
+            first = getattr(group[0], name)
+            for other_i, other in enumerate(group[1:], start=j * g + 1):
+                lin = getattr(other, name)
+                same = torch.equal(lin.weight, first.weight) and (not c.bias or torch.equal(lin.bias, first.bias))
+                if not same:
+                    raise ValueError(
+                        f"num_kv_heads={hkv}: heads {j * g}..{j * g + g - 1} should share one {name.upper()} projection, "
+                        f"but head {other_i}'s differs from head {j * g}'s; use a larger num_kv_heads (or None)"
+                    )
+    with torch.no_grad():
+        mha.q_proj.weight.copy_(torch.cat([h.q.weight for h in heads]))
+        mha.k_proj.weight.copy_(torch.cat([heads[j * g].k.weight for j in range(hkv)]))
+        mha.v_proj.weight.copy_(torch.cat([heads[j * g].v.weight for j in range(hkv)]))
+        if c.bias:
+            mha.q_proj.bias.copy_(torch.cat([h.q.bias for h in heads]))
+            mha.k_proj.bias.copy_(torch.cat([heads[j * g].k.bias for j in range(hkv)]))
+            mha.v_proj.bias.copy_(torch.cat([heads[j * g].v.bias for j in range(hkv)]))
+        mha.out_proj.load_state_dict(p.out_proj.state_dict())
+    mha.train(p.training)
+    return mha

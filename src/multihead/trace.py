@@ -1,0 +1,192 @@
+"""Recording the steps of a real forward pass.
+
+``with multihead.trace() as t: y = mha(x)`` records every named step that the code users run
+takes (projections, the head split, scores, mask, softmax, ...), with its shape, axis names,
+einops-style pattern, whether it moved data, and checks computed on the tensors.
+
+Recording stays out of the math: the forward pass asks :func:`current` once per function and
+records only when a trace is active. With no trace active that is the only cost.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["trace", "Trace", "Step", "current"]
+
+_state = threading.local()
+
+
+def current() -> Optional["Trace"]:
+    """The innermost active trace on this thread, or None."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
+
+
+@dataclass
+class Step:
+    """One step of a forward pass.
+
+    name: what the step does ("split heads", "softmax", ...); role: which tensor it acts on
+    ("Q", "K", "V") when the step runs once per tensor; pattern: einops-style shape change or
+    None; shape/axes: the output's sizes and axis names; view: True when the output shares
+    storage with its input (no data moved); checks: named booleans computed on the tensors;
+    note: a short remark (which kernel ran, which mask). ``tensor`` keeps a detached copy of
+    the output when the trace was asked to keep values.
+    """
+
+    name: str
+    pattern: Optional[str]
+    shape: tuple
+    axes: tuple
+    view: bool
+    checks: dict = field(default_factory=dict)
+    note: str = ""
+    role: str = ""
+    tensor: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.role}".strip() if self.role and self.role not in self.name else self.name
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.label,
+            "pattern": self.pattern,
+            "shape": list(self.shape),
+            "axes": list(self.axes),
+            "view": self.view,
+            "checks": dict(self.checks),
+            "note": self.note,
+        }
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class Trace:
+    """The record of one or more forward passes. Use through :func:`trace`."""
+
+    def __init__(self, *, keep_values: bool = True):
+        self.keep_values = keep_values
+        self.steps: list[Step] = []
+        self.config: dict = {}
+
+    # -- recording (called by the forward pass)
+    def record(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        pattern: Optional[str] = None,
+        axes: tuple = (),
+        *,
+        source: Optional[torch.Tensor] = None,
+        checks: Optional[dict] = None,
+        note: str = "",
+        role: str = "",
+    ) -> Step:
+        view = source is not None and _shares_storage(tensor, source)
+        all_checks = dict(checks or {})
+        if source is not None and pattern is not None:
+            all_checks.update(_layout_checks(name, tensor, source, view))
+        step = Step(
+            name=name,
+            pattern=pattern,
+            shape=tuple(tensor.shape),
+            axes=tuple(axes),
+            view=view,
+            checks={k: bool(v) for k, v in all_checks.items()},
+            note=note,
+            role=role,
+            tensor=tensor.detach().clone() if self.keep_values else None,
+        )
+        self.steps.append(step)
+        return step
+
+    def set_config(self, **config) -> None:
+        for key, value in config.items():
+            self.config.setdefault(key, value)
+
+    # -- reading
+    def step(self, label: str) -> Step:
+        """The first step whose label (name plus role) is ``label``."""
+        for s in self.steps:
+            if s.label == label:
+                return s
+        raise KeyError(f"no step named {label!r}; steps are {[s.label for s in self.steps]}")
+
+    @property
+    def checks(self) -> dict:
+        """Every check of every step, as ``{"step: check": bool}``."""
+        return {f"{s.label}: {name}": ok for s in self.steps for name, ok in s.checks.items()}
+
+    @property
+    def all_checks_hold(self) -> bool:
+        return all(self.checks.values())
+
+    def to_dict(self) -> dict:
+        return {"config": dict(self.config), "steps": [s.to_dict() for s in self.steps]}
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, **kwargs)
+
+    def __str__(self) -> str:
+        rows = [("step", "shape", "axes", "pattern", "view")]
+        for s in self.steps:
+            rows.append(
+                (
+                    s.label,
+                    "(" + ", ".join(str(n) for n in s.shape) + ")",
+                    " ".join(s.axes),
+                    s.pattern or "",
+                    "view" if s.view else "",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        checks = self.checks
+        if checks:
+            held = sum(checks.values())
+            lines.append(f"checks: {held}/{len(checks)} hold")
+            lines.extend(f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in checks.items())
+        return "\n".join(lines)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    # -- context manager
+    def __enter__(self) -> "Trace":
+        stack = getattr(_state, "stack", None)
+        if stack is None:
+            stack = _state.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _state.stack.remove(self)
+
+
+def trace(*, keep_values: bool = True) -> Trace:
+    """Record the steps of every multihead forward pass run inside the ``with`` block.
+
+    ``keep_values=False`` records shapes and checks only (no tensor copies).
+    """
+    return Trace(keep_values=keep_values)
+
+
+def _layout_checks(name: str, out: torch.Tensor, src: torch.Tensor, view: bool) -> dict:
+    """Checks for the pure layout steps: the same numbers come out, only indexed differently."""
+    if name == "split heads":
+        return {"same data after view": view and torch.equal(out.reshape(src.shape), src)}
+    if name == "move heads forward" or name == "move heads back":
+        return {"same data after transpose": view and torch.equal(out.transpose(1, 2), src)}
+    if name == "merge heads":
+        return {"heads concatenated back to d_out": torch.equal(out.view(src.shape), src)}
+    return {}
