@@ -1,0 +1,149 @@
+import pytest
+import torch
+
+from multihead import masks
+from ref64 import causal_keep, window_keep
+
+
+def dense(mask, shape=(1, 1, 2, 5), dtype=torch.float32):
+    return mask.materialize(shape, device=torch.device("cpu"), dtype=dtype)
+
+
+def test_causal_pictures_match_the_docstring():
+    bottom = dense(masks.causal()).keep.int().tolist()
+    top = dense(masks.causal("top_left")).keep.int().tolist()
+    assert bottom == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert top == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    assert "1 1 1 1 0" in masks.__doc__ and "1 0 0 0 0" in masks.__doc__
+
+
+@pytest.mark.parametrize("lq,lk", [(3, 3), (2, 5), (5, 2), (1, 7)])
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+def test_causal_matches_definition(lq, lk, align):
+    got = dense(masks.causal(align), (1, 1, lq, lk)).keep
+    assert torch.equal(got, causal_keep(lq, lk, align))
+
+
+def test_alignments_agree_when_lengths_are_equal():
+    a = dense(masks.causal("bottom_right"), (1, 1, 4, 4)).keep
+    b = dense(masks.causal("top_left"), (1, 1, 4, 4)).keep
+    assert torch.equal(a, b) and torch.equal(a, torch.ones(4, 4).tril().bool())
+
+
+@pytest.mark.parametrize("left,right", [(0, 0), (1, 0), (2, 1), (None, 0), (1, None), (0, 3)])
+@pytest.mark.parametrize("lq,lk", [(4, 4), (3, 6), (6, 3)])
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+def test_window_matches_definition(left, right, lq, lk, align):
+    got = dense(masks.window(left, right, align=align), (1, 1, lq, lk)).keep
+    assert torch.equal(got, window_keep(lq, lk, left, right, align))
+
+
+def test_window_unbounded_left_is_causal():
+    assert torch.equal(dense(masks.window(None, 0), (1, 1, 3, 6)).keep, dense(masks.causal(), (1, 1, 3, 6)).keep)
+
+
+@pytest.mark.parametrize("left,right", [(-1, 0), (0, -2)])
+def test_window_rejects_negative_sizes(left, right):
+    with pytest.raises(ValueError, match="must be >= 0"):
+        masks.window(left, right)
+
+
+def test_window_rejects_non_int():
+    with pytest.raises(TypeError, match="window left must be an int"):
+        masks.window(1.5)
+
+
+def test_bad_alignment():
+    with pytest.raises(ValueError, match="align must be one of"):
+        masks.causal("middle")
+
+
+def test_key_padding_broadcasts_over_heads_and_queries():
+    kp = torch.tensor([[True, True, False], [True, False, False]])
+    t = dense(masks.key_padding(kp), (2, 4, 5, 3))
+    assert t.bias is None
+    full = t.keep.expand(2, 4, 5, 3)
+    assert torch.equal(full[:, 3, 4], kp) and torch.equal(full[1, 0, 0], kp[1])
+
+
+def test_keep_and_keep_is_logical_and():
+    a = torch.tensor([[True, False, True]])
+    b = torch.tensor([[True, True, False]])
+    t = dense(masks.keep(a) & masks.keep(b), (1, 1, 1, 3))
+    assert t.keep.tolist() == [[True, False, False]] and t.bias is None
+
+
+def test_bias_and_bias_is_sum_and_bias_and_keep_keeps_both():
+    b1 = torch.tensor([[0.5, -1.0, 2.0]])
+    b2 = torch.tensor([[1.0, 1.0, 1.0]])
+    k = torch.tensor([[True, False, True]])
+    t = dense(masks.bias(b1) & masks.bias(b2), (1, 1, 1, 3))
+    assert torch.equal(t.bias, b1 + b2) and t.keep is None
+    t = dense(masks.bias(b1) & masks.keep(k), (1, 1, 1, 3))
+    assert torch.equal(t.bias, b1) and torch.equal(t.keep, k)
+
+
+def test_tensors_compose_with_masks_on_either_side():
+    k = torch.tensor([[True, False, True, True, True], [True] * 5])
+    left = dense(k & masks.causal())
+    right = dense(masks.causal() & k)
+    expect = k & causal_keep(2, 5)
+    assert torch.equal(left.keep, expect) and torch.equal(right.keep, expect)
+
+
+def test_as_mask_reads_dtype():
+    assert isinstance(masks.as_mask(torch.ones(2, 2, dtype=torch.bool)), masks.Keep)
+    assert isinstance(masks.as_mask(torch.zeros(2, 2)), masks.Bias)
+    assert masks.as_mask(None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
+def test_integer_masks_are_refused_with_the_convention(dtype):
+    with pytest.raises(TypeError, match="True = this query may attend.*nn.MultiheadAttention"):
+        masks.as_mask(torch.ones(2, 2, dtype=dtype))
+
+
+def test_bias_is_cast_to_query_dtype():
+    t = dense(masks.bias(torch.zeros(1, 3, dtype=torch.float64)), (1, 1, 1, 3), dtype=torch.bfloat16)
+    assert t.bias.dtype == torch.bfloat16
+
+
+def test_check_rejects_other_device():
+    m = masks.keep(torch.ones(2, 5, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="is on meta but the query is on cpu"):
+        m.check((1, 1, 2, 5), torch.device("cpu"))
+
+
+def test_check_rejects_non_broadcastable_shape():
+    m = masks.keep(torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"does not broadcast to \(B, H, Lq, Lk\) = \(1, 1, 2, 5\)"):
+        m.check((1, 1, 2, 5), torch.device("cpu"))
+
+
+def test_key_padding_shape_checked():
+    m = masks.key_padding(torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"must be \(B, Lk\) = \(2, 5\)"):
+        m.check((2, 1, 3, 5), torch.device("cpu"))
+    with pytest.raises(TypeError, match="True for real tokens"):
+        masks.key_padding(torch.ones(2, 4))
+
+
+def test_from_torch_inverts_bool_and_keeps_float():
+    blocked = torch.tensor([[False, True], [False, False]])
+    t = dense(masks.from_torch(attn_mask=blocked), (1, 1, 2, 2))
+    assert torch.equal(t.keep, ~blocked)
+    pad = torch.tensor([[False, True]])
+    t = dense(masks.from_torch(key_padding_mask=pad), (1, 3, 2, 2))
+    assert t.keep.expand(1, 3, 2, 2)[0, 2, 1].tolist() == [True, False]
+    f = torch.tensor([[0.0, -1.0], [2.0, 0.0]])
+    t = dense(masks.from_torch(attn_mask=f), (1, 1, 2, 2))
+    assert torch.equal(t.bias, f) and t.keep is None
+
+
+def test_from_torch_three_dim_mask_unflattens_heads():
+    B, H = 2, 3
+    blocked = torch.rand(B * H, 4, 4) > 0.5
+    m = masks.from_torch(attn_mask=blocked)
+    m.check((B, H, 4, 4), torch.device("cpu"))
+    t = dense(m, (B, H, 4, 4))
+    assert torch.equal(t.keep, ~blocked.view(B, H, 4, 4))
