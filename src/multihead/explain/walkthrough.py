@@ -116,8 +116,10 @@ def _pad(text: str, width: int) -> str:
     return text + " " * max(0, width - _width(text))
 
 
-def _wrap(text: str, indent: str, width: int = WIDTH) -> list[str]:
-    """Wrap on spaces, and between any two CJK characters, to ``width`` columns."""
+def _wrap(text: str, indent: str, width: int = WIDTH, first: Optional[str] = None) -> list[str]:
+    """Wrap on spaces, and between any two CJK characters, to ``width`` columns; continuation
+    lines start with ``indent``, the first line with ``first`` (default ``indent``)."""
+    prefix = indent if first is None else first
     tokens: list[str] = []
     for word_ in text.split(" "):
         chunk = ""
@@ -134,13 +136,14 @@ def _wrap(text: str, indent: str, width: int = WIDTH) -> list[str]:
         tokens.append(" ")
     lines, line = [], ""
     for tok in tokens[:-1]:
-        if _width(indent + line + tok) > width and line.strip():
-            lines.append(indent + line.rstrip())
+        if _width(prefix + line + tok) > width and line.strip():
+            lines.append(prefix + line.rstrip())
+            prefix = indent
             line = "" if tok == " " else tok
         else:
             line += tok
-    if line.strip():
-        lines.append(indent + line.rstrip())
+    if line.strip() or not lines:
+        lines.append(prefix + line.rstrip())
     return lines
 
 
@@ -196,7 +199,8 @@ def step_blocks(step: Step, w: Walkthrough, lang: str) -> list[Block]:
         keep = step.extras["keep"].expand(t.shape)[0, 0].to(torch.int64)
         return [Block(word("mask01", lang), keep, "q", integer=True), Block(word("masked_scores", lang), t[0, 0], "q")]
     if name in ("softmax", "dropout"):
-        return [Block(word("rows_queries", lang), t[0, 0], "q", row_sums=True)]
+        caption = f"{word('rows_queries', lang)} | {word('row_sum', lang)}"
+        return [Block(caption, t[0, 0], "q", row_sums=True)]
     if name == "weights × V":
         return [Block(word("rows_out", lang), t[0, 0], "q")]
     if name == "merge heads":
@@ -224,7 +228,7 @@ def _block_lines(block: Block, indent: str, lang: str) -> list[str]:
         cells = [("…" if c is None else _num(float(m[r, c]), block.integer)).rjust(cell_w) for c in cols]
         line = f"{indent}  {f'{block.row_label}{r}'.ljust(label_w)}  " + " ".join(cells)
         if block.row_sums:
-            line += f"   | {word('row_sum', lang)} {_num(float(m[r].sum()))}" if r == rows[0] else f"   | {_num(float(m[r].sum()))}"
+            line += f"   | {_num(float(m[r].sum()))}"
         lines.append(line)
     return lines
 
@@ -293,9 +297,7 @@ def render_text(w: Walkthrough, *, lang: str = "en", values: bool = True, color:
         summary.append((word("values", lang), word("values_line", lang)))
     key_w = max(_width(k) for k, _ in summary) + 2
     for key, text in summary:
-        lines = _wrap(text, " " * key_w)
-        out.append(_pad(key + ":", key_w) + lines[0].lstrip())
-        out.extend(lines[1:])
+        out.extend(_wrap(text, " " * key_w, first=_pad(key + ":", key_w)))
     steps = w.trace.steps
     num_w = len(str(len(steps)))
     title_w = min(34, max(_width(step_title(s.name, s.role, lang)) for s in steps) + 2)
@@ -374,11 +376,10 @@ def _check_lines(w: Walkthrough, lang: str, st: _Style) -> list[str]:
     lines = [st.bold(f"{word('checks', lang)} ({word('hold', lang, held=held, total=len(checks))})")]
     ok_w = max(_width(word("ok", lang)), _width(word("fail", lang)))
     for c in checks:
-        mark = st.ok(_pad(word("ok", lang), ok_w)) if c.ok else st.bad(_pad(word("fail", lang), ok_w))
-        lines.extend(_wrap(_check_text(c, w, lang), " " * (ok_w + 4)))
-        lines[-len(_wrap(_check_text(c, w, lang), " " * (ok_w + 4)))] = "  " + mark + "  " + lines[
-            -len(_wrap(_check_text(c, w, lang), " " * (ok_w + 4)))
-        ].lstrip()
+        mark = word("ok", lang) if c.ok else word("fail", lang)
+        wrapped = _wrap(_check_text(c, w, lang), " " * (ok_w + 4), first="  " + _pad(mark, ok_w) + "  ")
+        wrapped[0] = wrapped[0].replace(mark, st.ok(mark) if c.ok else st.bad(mark), 1)
+        lines.extend(wrapped)
     failed = len(checks) - held
     lines.append(st.ok(word("all_hold", lang)) if not failed else st.bad(word("some_failed", lang, n=failed)))
     return lines
@@ -388,9 +389,7 @@ def render_markdown(w: Walkthrough, *, lang: str = "en", values: bool = True) ->
     """The walkthrough as Markdown: a table of the steps, their meanings, values and checks."""
     out = [f"# {word('title', lang)}", ""]
     for key, text in _summary_lines(w, lang):
-        lines = _wrap(text, "  ")
-        out.append(f"- **{key}**: " + lines[0].lstrip())
-        out.extend(lines[1:])
+        out.extend(_wrap(text, "  ", first=f"- **{key}**: "))
     steps = w.trace.steps
     out += ["", f"| # | {word('step', lang)} | {word('table_shape', lang)} | {word('pattern', lang)} | {word('table_view', lang)} |",
             "|---:|---|---|---|---|"]
@@ -400,9 +399,7 @@ def render_markdown(w: Walkthrough, *, lang: str = "en", values: bool = True) ->
         out.append(f"| {i} | {step_title(s.name, s.role, lang)} | {_shape_text(s)} | {pattern} | {view} |")
     out += ["", f"## {word('meaning', lang)}", ""]
     for i, s in enumerate(steps, 1):
-        lines = _wrap(_meaning(s, w, lang), "   ")
-        out.append(f"{i}. **{step_title(s.name, s.role, lang)}**: " + lines[0].lstrip())
-        out.extend(lines[1:])
+        out.extend(_wrap(_meaning(s, w, lang), "   ", first=f"{i}. **{step_title(s.name, s.role, lang)}**: "))
     if values:
         out += ["", f"## {word('values', lang)} ({word('values_line', lang)})"]
         for i, s in enumerate(steps, 1):
@@ -423,9 +420,7 @@ def render_markdown(w: Walkthrough, *, lang: str = "en", values: bool = True) ->
     held = sum(c.ok for c in checks)
     out += ["", f"## {word('checks', lang)} ({word('hold', lang, held=held, total=len(checks))})", ""]
     for c in checks:
-        lines = _wrap(_check_text(c, w, lang), "      ")
-        out.append(f"- [{'x' if c.ok else ' '}] " + lines[0].lstrip())
-        out.extend(lines[1:])
+        out.extend(_wrap(_check_text(c, w, lang), "      ", first=f"- [{'x' if c.ok else ' '}] "))
     return "\n".join(out) + "\n"
 
 
@@ -472,22 +467,30 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
 
 
 # ---------------------------------------------------------------------------------- CLI entry
-def _usage_message(error: ValueError) -> str:
-    """The library's message, with its argument names spelled as the CLI's options."""
-    text = str(error)
-    for lib, opt in (("num_kv_heads", "--kv-heads"), ("num_heads", "--heads"), ("d_out", "--d-out")):
-        text = text.replace(lib, opt)
-    return text
+def _check_options(args) -> ExampleConfig:
+    """The example config for ``args``; a size the module refuses is a UsageError naming the options."""
+    if args.d_out % args.heads:
+        raise UsageError(
+            f"--heads {args.heads} does not divide --d-out {args.d_out}: choose --d-out as a multiple "
+            f"of --heads (each head gets d_out / heads features)"
+        )
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        raise UsageError(
+            f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each key/value head "
+            "must serve the same number of query heads"
+        )
+    try:
+        config = ExampleConfig.from_args(args)
+        build_example(config)  # the module validates everything else: fail before any output
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    return config
 
 
 def run(args, stdout) -> int:
     """``multihead explain`` for the text, json and markdown formats. Returns the exit code:
     0 when every check held, 1 when one failed; a bad option raises UsageError (exit 2)."""
-    try:
-        config = ExampleConfig.from_args(args)
-        build_example(config)  # the module validates its sizes: fail before any output
-    except (ValueError, TypeError) as e:
-        raise UsageError(_usage_message(e)) from None
+    config = _check_options(args)
     w = explain(config, per_head=args.per_head, cost=args.cost)
     if args.format == "json":
         text = render_json(w, lang=args.lang, values=args.values)
