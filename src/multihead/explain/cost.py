@@ -21,7 +21,7 @@ import torch
 
 from ..trace import Step, Trace
 
-__all__ = ["StepCost", "trace_cost", "attention_cost", "head_count_table"]
+__all__ = ["StepCost", "AttentionCost", "trace_cost", "attention_cost", "head_count_table"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def trace_cost(trace: Trace) -> list[StepCost]:
             flops = n
             moved = (2 if name == "scale" else 3) * n * size
         elif name.endswith(" mask"):
-            moved = 2 * n * size + (n if "keep" not in s.extras else s.extras["keep"].numel())
+            moved = 2 * n * size + n  # scores in and out, one bool per score
         elif name == "softmax":
             flops = 5 * n
             moved = 2 * n * size

@@ -249,9 +249,6 @@ class _Style:
     def bad(self, text: str) -> str:
         return self._wrap("31;1", text)
 
-    def dim(self, text: str) -> str:
-        return self._wrap("2", text)
-
 
 def _meaning(step: Step, w: Walkthrough, lang: str) -> str:
     sizes = w.sizes()
