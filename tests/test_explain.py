@@ -20,7 +20,15 @@ from multihead.explain import cost
 from multihead.explain.example import ExampleConfig, build_example, trace_example
 from multihead.explain.walkthrough import WIDTH, _width, explain
 
-from test_trace import DEFAULT_STEPS
+# the walkthrough: (2,3,4) -> (2,3,8) for Q, K, V -> (2,3,2,4) -> (2,2,3,4) -> scores (2,2,3,3)
+# -> ... -> (2,2,3,4) -> (2,3,2,4) -> (2,3,8) -> (2,3,8)
+DEFAULT_STEPS = [("input", (2, 3, 4))]
+DEFAULT_STEPS += [(f"project {r}", (2, 3, 8)) for r in "QKV"]
+for _r in "QKV":
+    DEFAULT_STEPS += [(f"split heads {_r}", (2, 3, 2, 4)), (f"move heads forward {_r}", (2, 2, 3, 4))]
+DEFAULT_STEPS += [(n, (2, 2, 3, 3)) for n in ("scores QKᵀ", "scale", "causal mask", "softmax")]
+DEFAULT_STEPS += [("weights × V", (2, 2, 3, 4)), ("move heads back", (2, 3, 2, 4)),
+                  ("merge heads", (2, 3, 8)), ("output projection", (2, 3, 8))]
 
 ROOT = Path(__file__).resolve().parents[1]
 NEG_INF = float("-inf")

@@ -205,7 +205,6 @@ _WORDS = {
     "some_failed": ("{n} check(s) FAILED", "{n} 项检查失败"),
     "ok": ("ok", "通过"),
     "fail": ("FAIL", "失败"),
-    "row_sum": ("row sums", "每行之和"),
     "mask01": ("mask, 1 = may attend:", "掩码，1 = 可以关注："),
     "masked_scores": ("masked scores:", "掩码后的分数："),
     "token0": ("batch 0, token 0, cut into heads:", "batch 0，token 0，切成各头："),
@@ -215,6 +214,13 @@ _WORDS = {
     "rows_queries": ("batch 0, head 0 (rows = queries, columns = keys):",
                      "batch 0，head 0（行 = 查询，列 = 键）："),
     "rows_out": ("batch 0, head 0 (rows = queries):", "batch 0，head 0（行 = 查询）："),
+    "rows_weights": ("batch 0, head 0 (rows = queries, columns = keys; after | the row's sum):",
+                     "batch 0，head 0（行 = 查询，列 = 键；| 后为该行之和）："),
+    "causal_offset": (
+        "With {Lq} queries and {Lk} keys the mask is aligned bottom-right: the last query sees every "
+        "key, query i sees keys 0 to {shift}.",
+        "查询 {Lq} 个、键 {Lk} 个时，掩码右下对齐：最后一个查询能看到所有键，查询 i 能看到键 0 到 {shift}。",
+    ),
     "batch0": ("batch 0 (rows = tokens):", "batch 0（行 = token）："),
     "merged_cols": ("batch 0: head i fills columns {ranges}", "batch 0：头 i 占据列 {ranges}"),
     "per_head": ("per-head reference", "逐头参考实现"),

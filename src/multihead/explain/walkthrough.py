@@ -199,8 +199,7 @@ def step_blocks(step: Step, w: Walkthrough, lang: str) -> list[Block]:
         keep = step.extras["keep"].expand(t.shape)[0, 0].to(torch.int64)
         return [Block(word("mask01", lang), keep, "q", integer=True), Block(word("masked_scores", lang), t[0, 0], "q")]
     if name in ("softmax", "dropout"):
-        caption = f"{word('rows_queries', lang)} | {word('row_sum', lang)}"
-        return [Block(caption, t[0, 0], "q", row_sums=True)]
+        return [Block(word("rows_weights", lang), t[0, 0], "q", row_sums=True)]
     if name == "weights × V":
         return [Block(word("rows_out", lang), t[0, 0], "q")]
     if name == "merge heads":
@@ -256,6 +255,11 @@ def _meaning(step: Step, w: Walkthrough, lang: str) -> str:
         kv = step.role in ("K", "V")
         sizes.update(F=sizes["kv_dim"] if kv else sizes["d_out"], h=sizes["Hkv"] if kv else sizes["H"])
     text = step_meaning(step.name, lang, **sizes)
+    if step.name == "causal mask" and sizes["Lq"] != sizes["Lk"]:
+        off = sizes["Lk"] - sizes["Lq"]
+        shift = f"i {'+' if off > 0 else '-'} {abs(off)}"
+        extra = word("causal_offset", lang, Lq=sizes["Lq"], Lk=sizes["Lk"], shift=shift)
+        text = f"{text} {extra}" if lang == "en" else text + extra
     note = note_text(step.note, lang)
     first = "project K" if step.note.startswith("K and V") else "project Q"
     if note and step.label == first:  # said once, at the first step it concerns
