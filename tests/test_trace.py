@@ -205,6 +205,17 @@ def test_sdpa_is_one_fused_step_naming_its_kernel():
     assert not any(s.name in ("scores QKᵀ", "softmax") for s in t.steps)
 
 
+def test_config_names_the_backend_that_ran():
+    torch.manual_seed(0)
+    mha = multihead.MultiHeadAttention(4, 2, 8)  # backend="auto"
+    with multihead.trace() as t:
+        mha(torch.randn(1, 3, 4))
+    assert t.config["backend"] == multihead.explain_dispatch(*_qkv()).backend == "sdpa"
+    with multihead.trace() as t:
+        mha(torch.randn(1, 3, 4), return_weights=True)
+    assert t.config["backend"] == "reference"
+
+
 def test_tracing_off_records_nothing_and_calls_no_trace_code(monkeypatch):
     assert current() is None
     idle = multihead.trace()  # made but never entered

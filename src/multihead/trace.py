@@ -119,8 +119,13 @@ class Trace:
         return step
 
     def set_config(self, **config) -> None:
+        """Record settings; the first value of each key wins, except that the backend actually
+        chosen replaces "auto"."""
         for key, value in config.items():
-            self.config.setdefault(key, value)
+            if key == "backend" and self.config.get(key) == "auto":
+                self.config[key] = value
+            else:
+                self.config.setdefault(key, value)
 
     # -- reading
     def step(self, label: str) -> Step:
