@@ -36,8 +36,9 @@ class Step:
     ("Q", "K", "V") when the step runs once per tensor; pattern: einops-style shape change or
     None; shape/axes: the output's sizes and axis names; view: True when the output shares
     storage with its input (no data moved); checks: named booleans computed on the tensors;
-    note: a short remark (which kernel ran, which mask). ``tensor`` keeps a detached copy of
-    the output when the trace was asked to keep values.
+    note: a short remark (which kernel ran, which mask); dtype: the output's dtype name.
+    ``tensor`` keeps a detached copy of the output when the trace was asked to keep values, and
+    ``extras`` copies of side tensors that explain the step (the mask step's bool ``keep``).
     """
 
     name: str
@@ -48,7 +49,9 @@ class Step:
     checks: dict = field(default_factory=dict)
     note: str = ""
     role: str = ""
+    dtype: str = ""
     tensor: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    extras: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -63,6 +66,7 @@ class Step:
             "view": self.view,
             "checks": dict(self.checks),
             "note": self.note,
+            "dtype": self.dtype,
         }
 
 
@@ -90,7 +94,10 @@ class Trace:
         checks: Optional[dict] = None,
         note: str = "",
         role: str = "",
+        extras: Optional[dict] = None,
     ) -> Step:
+        """Append one step. ``source``: the step's input, for the view test and layout checks;
+        ``extras``: side tensors kept (with ``keep_values``) to explain the step."""
         view = source is not None and _shares_storage(tensor, source)
         all_checks = dict(checks or {})
         if source is not None and pattern is not None:
@@ -104,14 +111,21 @@ class Trace:
             checks={k: bool(v) for k, v in all_checks.items()},
             note=note,
             role=role,
+            dtype=str(tensor.dtype).replace("torch.", ""),
             tensor=tensor.detach().clone() if self.keep_values else None,
+            extras={k: v.detach().clone() for k, v in (extras or {}).items()} if self.keep_values else {},
         )
         self.steps.append(step)
         return step
 
     def set_config(self, **config) -> None:
+        """Record settings; the first value of each key wins, except that the backend actually
+        chosen replaces "auto"."""
         for key, value in config.items():
-            self.config.setdefault(key, value)
+            if key == "backend" and self.config.get(key) == "auto":
+                self.config[key] = value
+            else:
+                self.config.setdefault(key, value)
 
     # -- reading
     def step(self, label: str) -> Step:

@@ -86,7 +86,7 @@ def attention_probs(
                 tr.record(
                     _mask_name(mask), scores, None, SCORE_AXES,
                     checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
-                    note=repr(mask),
+                    note=repr(mask), extras={"keep": keep},
                 )
     weights = safe_softmax(scores)
     if tr is not None:

@@ -1,0 +1,250 @@
+"""The checks ``multihead explain`` adds to the trace's own: each step recomputed independently.
+
+The forward pass records its own checks as it runs (a view kept the data, rows sum to 1, ...).
+Here every arithmetic step is recomputed from the step before it, in float64, and the whole
+forward pass is recomputed from scratch with the tutorial's plain code (``triu`` mask,
+``torch.softmax``, ``view``/``transpose``), so a wrong number anywhere makes a check fail.
+
+Tolerance rule (the project's): a float32 result may differ from the float64 one by at most
+twice the error of the same plain computation done in float32, plus a floor of a few units in
+the last place of the largest value. Exact steps (the scale, the mask) are compared exactly.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..trace import Trace
+
+__all__ = [
+    "Check",
+    "close_to_float64",
+    "check_scores",
+    "check_scale",
+    "check_mask",
+    "check_causal_keep",
+    "check_softmax",
+    "check_dropout",
+    "check_weighted_sum",
+    "check_output_projection",
+    "plain_forward",
+    "check_forward",
+    "per_head_difference",
+    "walkthrough_checks",
+]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One named check on one step (``step`` is the step's label)."""
+
+    step: str
+    name: str
+    ok: bool
+
+
+def _floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    finite = ref[torch.isfinite(ref)]
+    biggest = float(finite.abs().max()) if finite.numel() else 0.0
+    return 4 * torch.finfo(dtype).eps * biggest + torch.finfo(dtype).tiny
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| where -inf meets -inf counting as 0; inf if they disagree on being finite."""
+    a, b = a.double(), b.double()
+    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
+    if ((torch.isinf(a) | torch.isinf(b)) & ~same_inf).any() or torch.isnan(a).any() or torch.isnan(b).any():
+        return float("inf")
+    d = torch.where(same_inf, torch.zeros_like(a), a - b).abs()
+    return float(d.max()) if d.numel() else 0.0
+
+
+def close_to_float64(actual: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> tuple[bool, float, float]:
+    """Is ``actual`` (low precision) ``fn(*inputs)`` up to rounding?
+
+    Returns ``(ok, error, tolerance)``: error = max |actual - fn(inputs in float64)|, tolerance =
+    2 x the error of ``fn`` run in ``actual``'s dtype + a floor of 4 eps x the largest value.
+    """
+    if tuple(actual.shape) != tuple(fn(*inputs).shape):
+        return False, float("inf"), 0.0
+    ref = fn(*(t.double() for t in inputs))
+    plain = fn(*(t.to(actual.dtype) for t in inputs))
+    tol = 2 * _max_abs_diff(plain, ref) + _floor(ref, actual.dtype)
+    err = _max_abs_diff(actual, ref)
+    return err <= tol, err, tol
+
+
+def check_scores(q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor) -> bool:
+    """scores (B, H, Lq, Lk) = q (B, H, Lq, D) @ k (B, H, Lk, D)ᵀ."""
+    return close_to_float64(scores, lambda a, b: a @ b.transpose(-2, -1), q, k)[0]
+
+
+def check_scale(scores: torch.Tensor, scaled: torch.Tensor, head_dim: int) -> bool:
+    """scaled is scores times 1/√D, bit for bit (the same one multiplication)."""
+    return scaled.shape == scores.shape and torch.equal(scaled, scores * head_dim ** -0.5)
+
+
+def check_mask(scaled: torch.Tensor, masked: torch.Tensor, keep: torch.Tensor) -> bool:
+    """Where ``keep`` is True the scores went through unchanged (blocked ones are the trace's check)."""
+    keep = keep.expand_as(masked)
+    return masked.shape == scaled.shape and torch.equal(masked[keep], scaled[keep])
+
+
+def check_causal_keep(keep: torch.Tensor, lq: int, lk: int) -> bool:
+    """The keep mask is the tutorial's ``triu(ones, diagonal=1)`` flipped (True = may attend),
+    with the diagonal moved by Lk - Lq so the last query sits on the last key."""
+    blocked = torch.triu(torch.ones(lq, lk, dtype=torch.bool), diagonal=1 + lk - lq)
+    return bool((keep.expand(*keep.shape[:-2], lq, lk) == ~blocked).all())
+
+
+def _softmax_rows(s: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row of only -inf: weights 0, not NaN
+
+
+def check_softmax(masked: torch.Tensor, weights: torch.Tensor) -> bool:
+    """weights = softmax(masked scores) over the keys (a fully blocked row gives 0)."""
+    return close_to_float64(weights, _softmax_rows, masked)[0]
+
+
+def check_dropout(weights: torch.Tensor, dropped: torch.Tensor, p: float) -> bool:
+    """Each dropped weight is 0 or the weight / (1 - p), up to one rounding."""
+    if dropped.shape != weights.shape:
+        return False
+    scaled = weights.double() / (1 - p)
+    ulp = 2 * torch.finfo(weights.dtype).eps * scaled.abs()
+    kept_ok = (dropped.double() - scaled).abs() <= ulp
+    return bool(((dropped == 0) | kept_ok).all())
+
+
+def check_weighted_sum(weights: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
+    """out (B, H, Lq, D) = weights (B, H, Lq, Lk) @ v (B, H, Lk, D)."""
+    return close_to_float64(out, lambda w, x: w @ x, weights, v)[0]
+
+
+def check_output_projection(merged: torch.Tensor, out: torch.Tensor, linear: torch.nn.Linear) -> bool:
+    """out (B, Lq, d_out) = merged (B, Lq, d_out) @ W_Oᵀ + b."""
+    if linear.bias is None:
+        return close_to_float64(out, lambda m, w: m @ w.T, merged, linear.weight.detach())[0]
+    return close_to_float64(out, lambda m, w, b: m @ w.T + b, merged, linear.weight.detach(), linear.bias.detach())[0]
+
+
+def plain_forward(mha, inputs: tuple, dtype: torch.dtype, *, dropout_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tutorial's code, written out plainly, with ``mha``'s weights in ``dtype``.
+
+    inputs: ``(x,)`` or ``(x, memory)``. dropout_keep: bool (B, H, Lq, Lk), the weights that
+    dropout kept (for a forward run in training mode), or None.
+    Returns (B, Lq, d_out).
+    """
+    c = mha.config
+    x = inputs[0].to(dtype)
+    memory = inputs[-1].to(dtype)
+
+    def linear(t, lin):
+        y = t @ lin.weight.detach().to(dtype).T
+        return y if lin.bias is None else y + lin.bias.detach().to(dtype)
+
+    B, Lq, _ = x.shape
+    Lk = memory.shape[1]
+    H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+    q = linear(x, mha.q_proj).view(B, Lq, H, D).transpose(1, 2)
+    k = linear(memory, mha.k_proj).view(B, Lk, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    v = linear(memory, mha.v_proj).view(B, Lk, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    scores = q @ k.transpose(2, 3)
+    if c.causal:
+        blocked = torch.triu(torch.ones(Lq, Lk, dtype=torch.bool), diagonal=1 + Lk - Lq)
+        scores = scores.masked_fill(blocked, float("-inf"))
+    weights = _softmax_rows(scores / D ** 0.5)
+    if dropout_keep is not None:
+        weights = weights * dropout_keep / (1 - c.dropout)
+    context = (weights @ v).transpose(1, 2).reshape(B, Lq, H * D)
+    return linear(context, mha.out_proj)
+
+
+def check_forward(mha, inputs: tuple, y: torch.Tensor, *, dropout_keep: Optional[torch.Tensor] = None) -> tuple[bool, float, float]:
+    """``y`` against :func:`plain_forward` in float64: ``(ok, error, tolerance)``."""
+    ref = plain_forward(mha, inputs, torch.float64, dropout_keep=dropout_keep)
+    plain = plain_forward(mha, inputs, y.dtype, dropout_keep=dropout_keep)
+    tol = 2 * _max_abs_diff(plain, ref) + _floor(ref, y.dtype)
+    err = _max_abs_diff(y, ref)
+    return err <= tol, err, tol
+
+
+def per_head_difference(mha, inputs: tuple) -> tuple[float, float, bool]:
+    """Run ``mha`` and ``mha.to_per_head()`` in eval mode on ``inputs``.
+
+    Returns ``(max |fused - per-head|, tolerance, ok)``: ok when both outputs are within the
+    float64 tolerance of the plain code (so they differ by at most twice that: the tolerance shown).
+    """
+    was_training = mha.training
+    mha.eval()
+    try:
+        per_head = mha.to_per_head().eval()
+        with torch.no_grad():
+            fused = mha(*inputs)
+            separate = per_head(*inputs)
+        ok_fused, _, tol = check_forward(mha, inputs, fused)
+        ok_separate, _, _ = check_forward(mha, inputs, separate)
+    finally:
+        mha.train(was_training)
+    return _max_abs_diff(fused, separate), 2 * tol, ok_fused and ok_separate
+
+
+def _find(trace: Trace, label: str):
+    for s in trace.steps:
+        if s.label == label:
+            return s
+    return None
+
+
+def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
+    """Recompute every arithmetic step of ``trace`` (a reference-backend run of ``mha(*inputs)``
+    with values kept) from the step before it, and the whole output from scratch."""
+    c = mha.config
+    steps = trace.steps
+    if any(s.tensor is None for s in steps):
+        raise ValueError("walkthrough_checks needs the step values: record with multihead.trace(keep_values=True)")
+    found: list[Check] = []
+    q = _find(trace, "move heads forward Q")
+    k = _find(trace, "repeat kv heads K") or _find(trace, "move heads forward K")
+    v = _find(trace, "repeat kv heads V") or _find(trace, "move heads forward V")
+    scores = _find(trace, "scores QKᵀ")
+    scaled = _find(trace, "scale")
+    softmax = _find(trace, "softmax")
+    dropout = _find(trace, "dropout")
+    weighted = _find(trace, "weights × V")
+    merged = _find(trace, "merge heads")
+    out = _find(trace, "output projection")
+    masked = next((s for s in steps if "keep" in s.extras), None)
+
+    if q and k and scores:
+        found.append(Check(scores.label, "equals Q·Kᵀ in float64", check_scores(q.tensor, k.tensor, scores.tensor)))
+    if scores and scaled:
+        found.append(Check(scaled.label, "is exactly scores × 1/√D", check_scale(scores.tensor, scaled.tensor, c.head_dim)))
+    before_mask = scaled
+    if masked is not None and before_mask is not None:
+        add_bias = _find(trace, "add bias")
+        before_mask = add_bias or scaled
+        keep = masked.extras["keep"]
+        found.append(Check(masked.label, "visible scores unchanged", check_mask(before_mask.tensor, masked.tensor, keep)))
+        if masked.name == "causal mask":
+            lq, lk = masked.shape[-2:]
+            found.append(Check(masked.label, "mask is triu(ones, diagonal=1 + Lk - Lq) flipped", check_causal_keep(keep, lq, lk)))
+    last_scores = masked or _find(trace, "add bias") or scaled
+    if last_scores and softmax:
+        found.append(Check(softmax.label, "equals softmax in float64", check_softmax(last_scores.tensor, softmax.tensor)))
+    if softmax and dropout:
+        found.append(Check(dropout.label, "each weight is 0 or weight / (1 - p)", check_dropout(softmax.tensor, dropout.tensor, c.dropout)))
+    applied = dropout or softmax
+    if applied and v and weighted:
+        found.append(Check(weighted.label, "equals weights × V in float64", check_weighted_sum(applied.tensor, v.tensor, weighted.tensor)))
+    if merged and out:
+        found.append(Check(out.label, "equals merged × W_Oᵀ in float64", check_output_projection(merged.tensor, out.tensor, mha.out_proj)))
+    if out:
+        keep = (dropout.tensor != 0) if dropout else None
+        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=keep)[0]))
+    return found
