@@ -1,0 +1,206 @@
+"""Tensor blocks as inline SVG: one drawing per trace step, its input(s) -> its output.
+
+A tensor is drawn as a block: the last axis runs across the front face, the one before it down
+the face, the third-last axis is the depth of the stack behind it, and any axes before those are
+written as a multiplier on the left ("b = 2 ×"). Every side carries its axis name and size. A
+grouped axis such as ``(h d)`` is striped into its first factor's parts, so a head split can be
+seen before it happens.
+
+A step with an einops-style pattern draws its input operand(s) from the pattern's left side, an
+arrow, and the output; the arrow is dashed for a view (no data moved) and solid otherwise. The
+sizes of the input axes come from the step's own output axes and the trace's config.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape
+from math import prod
+from typing import Optional
+
+__all__ = ["axis_sizes", "parse_pattern", "step_svg"]
+
+_CELL = 18
+_MAX_W = 180
+_MAX_H = 126
+_DEPTH_STEP = 10
+_CHAR_W = 7.3  # width of one character of the 12 px monospace labels
+_ROW_LABEL_W = 16
+_MAX_LAYERS = 4
+_PAD = 6
+
+_COLORS = {"Q": "#3b7dd8", "K": "#e08a1e", "V": "#3a9a5b", "scores": "#8e5cc2", "": "#6b7785"}
+
+
+def _role(step) -> str:
+    if step.role in ("Q", "K", "V"):
+        return step.role
+    for r in ("Q", "K", "V"):
+        if step.name.endswith(" " + r):
+            return r
+    if step.axes[-2:] == ("q", "k"):
+        return "scores"
+    return ""
+
+
+def axis_sizes(trace, step) -> dict[str, int]:
+    """Sizes of every axis letter the step's pattern may name: the trace's config, the query and
+    key lengths of the scores, then the step's own output axes (which win)."""
+    cfg = trace.config
+    sizes: dict[str, int] = {}
+    heads, kv_heads = cfg.get("num_heads"), cfg.get("num_kv_heads")
+    if heads:
+        sizes["h"] = heads
+    if kv_heads:
+        sizes["hkv"] = kv_heads
+        if heads:
+            sizes["g"] = heads // kv_heads
+    if cfg.get("head_dim"):
+        sizes["d"] = cfg["head_dim"]
+    for s in trace.steps:
+        if s.axes[-2:] == ("q", "k"):
+            sizes.update(b=s.shape[0], q=s.shape[-2], k=s.shape[-1])
+            break
+    sizes.update(zip(step.axes, step.shape))
+    return sizes
+
+
+_TOKEN = re.compile(r"\(([^)]*)\)|(\S+)")
+
+
+def parse_pattern(pattern: str) -> tuple[list[list[tuple[str, ...]]], list[tuple[str, ...]]]:
+    """``"b t (h d) -> b t h d"`` -> ``([[("b",), ("t",), ("h", "d")]], [("b",), ("t",), ("h",), ("d",)])``.
+
+    Each axis is a tuple of names (more than one for a group); the left side may list several
+    operands separated by commas.
+    """
+    left, right = pattern.split("->")
+
+    def axes(text):
+        return [tuple(m.group(1).split()) if m.group(1) is not None else (m.group(2),) for m in _TOKEN.finditer(text)]
+
+    return [axes(op) for op in left.split(",")], axes(right)
+
+
+def _label(names: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, int]:
+    if len(names) == 1:
+        return f"{names[0]} = {sizes[names[0]]}", sizes[names[0]]
+    parts = "·".join(str(sizes[n]) for n in names)
+    return f"({' '.join(names)}) = {parts}", prod(sizes[n] for n in names)
+
+
+def _text(x, y, s, *, anchor="middle", rotate=False, cls="ax") -> str:
+    rot = f' transform="rotate(-90 {x:.1f} {y:.1f})"' if rotate else ""
+    return f'<text class="{cls}" x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{rot}>{escape(s)}</text>'
+
+
+def _block(axes: list[tuple[str, ...]], sizes: dict[str, int], x: float, color: str, top: float) -> tuple[str, float, float]:
+    """SVG for one tensor at left edge ``x``; returns (svg, width, height)."""
+    labelled = [_label(a, sizes) for a in axes]
+    cols_label, cols = labelled[-1]
+    rows_label, rows = labelled[-2] if len(labelled) >= 2 else ("", 1)
+    depth_label, depth = labelled[-3] if len(labelled) >= 3 else ("", 1)
+    outer = labelled[:-3]
+    w = min(max(cols * _CELL, _CELL), _MAX_W)
+    h = min(max(rows * _CELL, _CELL), _MAX_H)
+    layers = min(depth, _MAX_LAYERS)
+    dz = _DEPTH_STEP * (layers - 1)
+    out = []
+    fx, fy = x, top + 18 + dz  # front face, top-left; 18 px above for the top label
+    if outer:
+        text = " × ".join(lbl for lbl, _ in outer) + " ×"
+        out.append(_text(x, fy + h / 2 + 4, text, anchor="start", cls="ax outer"))
+        fx += _CHAR_W * len(text) + _PAD
+    if rows_label:
+        fx += _ROW_LABEL_W
+    for i in range(layers - 1, 0, -1):  # the stack behind, farthest first
+        out.append(
+            f'<rect x="{fx + i * _DEPTH_STEP:.1f}" y="{fy - i * _DEPTH_STEP:.1f}" width="{w:.1f}" height="{h:.1f}" '
+            f'fill="{color}" fill-opacity="{0.18 + 0.06 * (layers - i)}" stroke="{color}"/>'
+        )
+    out.append(f'<rect x="{fx:.1f}" y="{fy:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{color}" fill-opacity="0.35" stroke="{color}" stroke-width="1.5"/>')
+    if cols * _CELL <= _MAX_W and cols > 1:
+        for c in range(1, cols):
+            out.append(f'<line x1="{fx + c * _CELL:.1f}" y1="{fy:.1f}" x2="{fx + c * _CELL:.1f}" y2="{fy + h:.1f}" class="grid"/>')
+    if rows * _CELL <= _MAX_H and rows > 1:
+        for r in range(1, rows):
+            out.append(f'<line x1="{fx:.1f}" y1="{fy + r * _CELL:.1f}" x2="{fx + w:.1f}" y2="{fy + r * _CELL:.1f}" class="grid"/>')
+    group = axes[-1]
+    if len(group) > 1 and sizes[group[0]] > 1:  # stripe a grouped last axis into its first factor
+        n = sizes[group[0]]
+        for i in range(n):
+            out.append(
+                f'<rect x="{fx + i * w / n:.1f}" y="{fy:.1f}" width="{w / n:.1f}" height="{h:.1f}" '
+                f'fill="{color}" fill-opacity="{0.25 if i % 2 else 0.0}" stroke="{color}" stroke-width="2"/>'
+            )
+    out.append(_text(fx + w / 2 + dz, fy - dz - 5, cols_label))  # along the top of the farthest layer
+    if rows_label:
+        out.append(_text(fx - 5, fy + h / 2, rows_label, rotate=True))
+    if depth_label:
+        out.append(_text(fx + w + dz + 4, fy - dz + 10, depth_label, anchor="start", cls="ax depth"))
+    width = (fx - x) + w + dz + (_CHAR_W * len(depth_label) + 8 if depth_label else 0)
+    width = max(width, (fx - x) + _CHAR_W * len(cols_label) / 2 + w / 2 + dz)
+    height = 18 + dz + h + 6
+    return "".join(out), width, height
+
+
+def _operand_color(step, op, i: int, n: int, color: str) -> str:
+    """One input keeps the step's colour; of two (a product), the scores, Q, K and V get theirs."""
+    if n == 1:
+        return color
+    names = [a[0] for a in op]
+    if names[-2:] == ["q", "k"]:
+        return _COLORS["scores"]
+    if i == 0:
+        return _COLORS["Q"]
+    return _COLORS["K"] if _role(step) == "scores" else _COLORS["V"]
+
+
+def step_svg(step, sizes: dict[str, int]) -> str:
+    """The drawing of one step: input block(s) -> output block for a pattern step, else the output."""
+    color = _COLORS[_role(step)]
+    operands: list[list[tuple[str, ...]]] = []
+    out_axes = [(a,) for a in step.axes]
+    if step.pattern:
+        try:
+            operands, right = parse_pattern(step.pattern)
+            for op in operands:
+                for group in op:
+                    for n in group:
+                        sizes[n]  # every input axis must have a known size
+        except (KeyError, ValueError):
+            operands = []
+    if not out_axes:
+        out_axes = [(f"#{i}",) for i in range(len(step.shape))]
+        sizes = {**sizes, **{f"#{i}": n for i, n in enumerate(step.shape)}}
+    parts: list[str] = []
+    x = _PAD
+    height = 0.0
+    for i, op in enumerate(operands):
+        svg, w, h = _block(op, sizes, x, _operand_color(step, op, i, len(operands), color), 4)
+        parts.append(svg)
+        x += w + 14
+        height = max(height, h)
+        if i < len(operands) - 1:
+            parts.append(_text(x - 7, 18 + height / 2 + 8, ",", cls="ax sep"))
+            x += 6
+    if operands:
+        kind = "view" if step.view else "move"
+        dash = ' stroke-dasharray="5 4"' if step.view else ""
+        y = 4 + 18 + 30
+        parts.append(
+            f'<g class="arrow {kind}"><line x1="{x:.1f}" y1="{y}" x2="{x + 40:.1f}" y2="{y}"{dash}/>'
+            f'<path d="M{x + 40:.1f},{y - 5} L{x + 48:.1f},{y} L{x + 40:.1f},{y + 5} z"/></g>'
+        )
+        x += 60 + 14
+    svg, w, h = _block(out_axes, sizes, x, color, 4)
+    parts.append(svg)
+    x += w
+    height = max(height, h)
+    width = x + _PAD
+    total_h = height + 8
+    label = escape(f"{step.label}: shape ({', '.join(str(n) for n in step.shape)})", quote=True)
+    return (
+        f'<svg class="blocks" viewBox="0 0 {width:.0f} {total_h:.0f}" width="{width:.0f}" height="{total_h:.0f}" '
+        f'role="img" aria-label="{label}">{"".join(parts)}</svg>'
+    )
