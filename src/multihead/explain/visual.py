@@ -211,7 +211,7 @@ def _steps_html(trace: Trace) -> str:
             f'<h3><span class="num">{i + 1}</span> <span class="name">{escape(s.label)}</span> '
             f'<span class="badge {kind}">{_both(kind)}</span></h3>'
             f'<p class="shape"><code>{escape(_shape(s))}</code></p>{pattern}{meaning_html}'
-            f'<div class="figure">{step_svg(s, axis_sizes(trace, s))}</div>{note}</li>'
+            f'{step_svg(s, axis_sizes(trace, s))}{note}</li>'
         )
     return "".join(items)
 
@@ -229,11 +229,11 @@ def _checks_html(trace: Trace) -> str:
 
 
 def _config_html(config: dict) -> str:
-    rows = "".join(
-        f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in config.items() if k != "backend"
+    items = "".join(
+        f"<li><span>{escape(str(k))}</span> <code>{escape(str(v))}</code></li>" for k, v in config.items() if k != "backend"
     )
     backend = escape(str(config.get("backend", "?")))
-    return f'<p class="backend">{_both("backend")}: <code id="backend">{backend}</code></p><table class="config">{rows}</table>'
+    return f'<p class="backend">{_both("backend")}: <code id="backend">{backend}</code></p><ul class="config">{items}</ul>'
 
 
 def _asset(name: str) -> str:

@@ -157,7 +157,8 @@ def _operand_color(step, op, i: int, n: int, color: str) -> str:
 
 
 def step_svg(step, sizes: dict[str, int]) -> str:
-    """The drawing of one step: input block(s) -> output block for a pattern step, else the output."""
+    """The drawing of one step, a ``<div class="figure">`` of SVG pieces that wrap on a narrow
+    screen: input block(s), arrow, output block for a pattern step; else the output alone."""
     color = _COLORS[_role(step)]
     operands: list[list[tuple[str, ...]]] = []
     out_axes = [(a,) for a in step.axes]
@@ -169,38 +170,29 @@ def step_svg(step, sizes: dict[str, int]) -> str:
                     for n in group:
                         sizes[n]  # every input axis must have a known size
         except (KeyError, ValueError):
-            operands = []
+            operands, right = [], []
+        if [prod(sizes.get(n, 0) for n in g) for g in right] == list(step.shape):
+            out_axes = right  # the pattern's own output names, groups included: "(h d)", "(hkv g)"
     if not out_axes:
         out_axes = [(f"#{i}",) for i in range(len(step.shape))]
         sizes = {**sizes, **{f"#{i}": n for i, n in enumerate(step.shape)}}
-    parts: list[str] = []
-    x = _PAD
-    height = 0.0
+    pieces: list[str] = []
     for i, op in enumerate(operands):
-        svg, w, h = _block(op, sizes, x, _operand_color(step, op, i, len(operands), color), 4)
-        parts.append(svg)
-        x += w + 14
-        height = max(height, h)
+        pieces.append(_svg(*_block(op, sizes, _PAD, _operand_color(step, op, i, len(operands), color), 4)))
         if i < len(operands) - 1:
-            parts.append(_text(x - 7, 18 + height / 2 + 8, ",", cls="ax sep"))
-            x += 6
+            pieces.append('<span class="sep">,</span>')
     if operands:
         kind = "view" if step.view else "move"
         dash = ' stroke-dasharray="5 4"' if step.view else ""
-        y = 4 + 18 + 30
-        parts.append(
-            f'<g class="arrow {kind}"><line x1="{x:.1f}" y1="{y}" x2="{x + 40:.1f}" y2="{y}"{dash}/>'
-            f'<path d="M{x + 40:.1f},{y - 5} L{x + 48:.1f},{y} L{x + 40:.1f},{y + 5} z"/></g>'
+        pieces.append(
+            f'<svg class="arrow {kind}" viewBox="0 0 56 16" width="56" height="16" aria-hidden="true">'
+            f'<line x1="4" y1="8" x2="44" y2="8"{dash}/><path d="M44,3 L52,8 L44,13 z"/></svg>'
         )
-        x += 60 + 14
-    svg, w, h = _block(out_axes, sizes, x, color, 4)
-    parts.append(svg)
-    x += w
-    height = max(height, h)
-    width = x + _PAD
-    total_h = height + 8
+    pieces.append(_svg(*_block(out_axes, sizes, _PAD, color, 4)))
     label = escape(f"{step.label}: shape ({', '.join(str(n) for n in step.shape)})", quote=True)
-    return (
-        f'<svg class="blocks" viewBox="0 0 {width:.0f} {total_h:.0f}" width="{width:.0f}" height="{total_h:.0f}" '
-        f'role="img" aria-label="{label}">{"".join(parts)}</svg>'
-    )
+    return f'<div class="figure" role="img" aria-label="{label}">{"".join(pieces)}</div>'
+
+
+def _svg(body: str, width: float, height: float) -> str:
+    w, h = width + 2 * _PAD, height + 8
+    return f'<svg class="blocks" viewBox="0 0 {w:.0f} {h:.0f}" width="{w:.0f}" height="{h:.0f}">{body}</svg>'
