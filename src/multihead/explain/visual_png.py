@@ -46,7 +46,7 @@ def heads_figure(maps):
     nrows = math.ceil(H / ncols)
     longest = max((len(t) for t in (maps.k_tokens or []) + list(maps.q_tokens or [])), default=2)
     panel = max(2.6, min(6.0, 0.42 * max(Lq, Lk) + 0.09 * longest + 1.0))
-    fig = Figure(figsize=(ncols * panel + 1.2, nrows * panel + 0.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(ncols * panel + 1.2, nrows * panel + 0.8), dpi=130, layout="constrained")
     grid = fig.subplots(nrows, ncols, squeeze=False)
     annotate = Lq <= _ANNOTATE_UP_TO and Lk <= _ANNOTATE_UP_TO
     q_labels, k_labels = _tick_labels(maps.q_tokens, Lq), _tick_labels(maps.k_tokens, Lk)
