@@ -64,7 +64,7 @@ def browser_page(tmp_path_factory):
             str(tmp / "profile"), executable_path=chromium, args=CHROMIUM_ARGS, headless=True,
             viewport={"width": 1280, "height": 800},
         )
-        context.route("**/*", lambda route: route.continue_() if route.request.url == url else route.abort())
+        context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://") else route.abort())
         page = context.new_page()
         page.on("console", lambda m: m.type == "error" and events["console_errors"].append(m.text))
         page.on("pageerror", lambda e: events["console_errors"].append(str(e)))
@@ -78,6 +78,30 @@ def browser_page(tmp_path_factory):
             context.close()
 
 
+@pytest.fixture
+def open_page(browser_page, tmp_path):
+    """Open another page in the same browser: (html text) -> (page, events)."""
+    context = browser_page[0].context
+    opened = []
+
+    def open_(text: str):
+        path = tmp_path / f"page{len(opened)}.html"
+        path.write_text(text, encoding="utf-8")
+        url = path.as_uri()
+        events = {"console_errors": [], "requests": []}
+        page = context.new_page()
+        opened.append(page)
+        page.on("console", lambda m: m.type == "error" and events["console_errors"].append(m.text))
+        page.on("pageerror", lambda e: events["console_errors"].append(str(e)))
+        page.on("request", lambda r: events["requests"].append(r.url))
+        page.goto(url, wait_until="load")
+        return page, events, url
+
+    yield open_
+    for page in opened:
+        page.close()
+
+
 def _weights_shown(page) -> list[float]:
     return page.eval_on_selector_all("#heat-weights .cell", "cells => cells.map(c => Number(c.dataset.v))")
 
@@ -86,7 +110,6 @@ def test_loads_without_errors_or_network(browser_page):
     page, trace, _, events = browser_page
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "walkthrough-1280x800.png"))
-    page.screenshot(path=str(ARTIFACTS / "walkthrough-1280-full.png"), full_page=True)
     assert events["console_errors"] == []
     assert events["dialogs"] == []
     assert events["requests"] == [page.url]
@@ -159,7 +182,6 @@ def test_phone_width_has_no_sideways_scroll(browser_page):
     page.set_viewport_size({"width": 390, "height": 844})
     try:
         page.screenshot(path=str(ARTIFACTS / "walkthrough-390x844.png"))
-        page.screenshot(path=str(ARTIFACTS / "walkthrough-390-full.png"), full_page=True)
         assert page.evaluate("document.documentElement.scrollWidth") <= 390
         widths = page.eval_on_selector_all("li.step", "els => els.map(e => e.getBoundingClientRect().right)")
         assert max(widths) <= 390
@@ -173,3 +195,20 @@ def test_data_block_round_trips_in_the_browser(browser_page):
     data = json.loads(page.eval_on_selector("#mh-data", "e => e.textContent"))
     assert data["maps"][0]["q_tokens"] == TOKENS_Q
     assert len(data["steps"]) == len(trace.steps)
+
+
+def test_maps_without_a_trace_or_scores(open_page):
+    """The shape real-model maps come in: tokens, weights only, no pipeline."""
+    import torch
+
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "because", "it", "was", "warm", "[SEP]"]
+    weights = torch.softmax(torch.randn(12, 12, 12, generator=torch.Generator().manual_seed(0)), dim=-1)
+    page, events, url = open_page(visual.render_html(None, [visual.HeadMaps(weights, tokens, tokens, "layer 2")]))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.is_hidden("#panel-scores") and page.is_visible("#no-scores")
+    assert page.locator(".thumb").count() == 12 and page.locator("li.step").count() == 0
+    page.select_option("#head-select", "11")
+    shown = _weights_shown(page)
+    assert shown == pytest.approx(weights[11].flatten().tolist(), abs=1e-6)
+    labels = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => [e.textContent, e.scrollWidth <= e.clientWidth])")
+    assert labels == [[t, True] for t in tokens]  # every row label shown whole

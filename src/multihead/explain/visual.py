@@ -259,7 +259,7 @@ def render_html(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str =
         f'<div class="controls">'
         f'<label>{_both("batch")} <select id="batch-select">{batch_options}</select></label>'
         f'<label>{_both("head")} <select id="head-select">{head_options}</select></label></div>'
-        f'<p class="hint">{_both("hover")}</p>'
+        f'<p class="hint">{_both("hover")}</p><p class="hint" id="no-scores" hidden>{_both("no_scores")}</p>'
         f'<div class="panels">'
         f'<figure class="panel" id="panel-scores"><figcaption>{_both("scores")}</figcaption><div class="heat" id="heat-scores"></div></figure>'
         f'<figure class="panel" id="panel-mask"><figcaption>{_both("mask")}</figcaption><div class="heat" id="heat-mask"></div></figure>'

@@ -27,6 +27,7 @@ _DEPTH_STEP = 10
 _CHAR_W = 7.3  # width of one character of the 12 px monospace labels
 _ROW_LABEL_W = 16
 _MAX_LAYERS = 4
+_MAX_STRIPES = 16
 _PAD = 6
 
 _COLORS = {"Q": "#3b7dd8", "K": "#e08a1e", "V": "#3a9a5b", "scores": "#8e5cc2", "": "#6b7785"}
@@ -126,7 +127,7 @@ def _block(axes: list[tuple[str, ...]], sizes: dict[str, int], x: float, color: 
         for r in range(1, rows):
             out.append(f'<line x1="{fx:.1f}" y1="{fy + r * _CELL:.1f}" x2="{fx + w:.1f}" y2="{fy + r * _CELL:.1f}" class="grid"/>')
     group = axes[-1]
-    if len(group) > 1 and sizes[group[0]] > 1:  # stripe a grouped last axis into its first factor
+    if len(group) > 1 and 1 < sizes[group[0]] <= _MAX_STRIPES:  # stripe a grouped last axis into its first factor
         n = sizes[group[0]]
         for i in range(n):
             out.append(
@@ -165,12 +166,10 @@ def step_svg(step, sizes: dict[str, int]) -> str:
     if step.pattern:
         try:
             operands, right = parse_pattern(step.pattern)
-            for op in operands:
-                for group in op:
-                    for n in group:
-                        sizes[n]  # every input axis must have a known size
-        except (KeyError, ValueError):
+        except ValueError:  # not an "a b -> c d" pattern: draw the output alone
             operands, right = [], []
+        if any(n not in sizes for op in operands for group in op for n in group):
+            operands = []  # an input axis of unknown size: draw the output alone
         if [prod(sizes.get(n, 0) for n in g) for g in right] == list(step.shape):
             out_axes = right  # the pattern's own output names, groups included: "(h d)", "(hkv g)"
     if not out_axes:

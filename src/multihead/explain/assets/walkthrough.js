@@ -72,7 +72,7 @@
     var g = el("div", "hm");
     g.dataset.kind = kind;
     g.dataset.head = String(h);
-    g.style.gridTemplateColumns = (full ? "auto " : "") + "repeat(" + Lk + (full ? ", minmax(18px, 44px))" : ", minmax(0, 1fr))");
+    g.style.gridTemplateColumns = (full ? "max-content " : "") + "repeat(" + Lk + (full ? ", minmax(18px, 44px))" : ", minmax(0, 1fr))");
     if (full) {
       g.appendChild(el("div", "tok corner"));
       k.forEach(function (t) { g.appendChild(el("div", "tok col", t)); });
@@ -107,8 +107,9 @@
   function render() {
     var map = current(), h = state.head;
     document.getElementById("map-title").textContent = map.title;
-    if (map.scores) put("heat-scores", heat("scores", map, h, true));
-    else put("heat-scores", el("p", "hint", ui("no_scores")));
+    document.getElementById("panel-scores").hidden = !map.scores;
+    document.getElementById("no-scores").hidden = !!map.scores;
+    put("heat-scores", map.scores ? heat("scores", map, h, true) : el("div"));
     put("heat-mask", heat("mask", map, h, true));
     put("heat-weights", heat("weights", map, h, true));
     var heads = document.getElementById("all-heads");
