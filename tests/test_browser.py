@@ -212,3 +212,18 @@ def test_maps_without_a_trace_or_scores(open_page):
     assert shown == pytest.approx(weights[11].flatten().tolist(), abs=1e-6)
     labels = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => [e.textContent, e.scrollWidth <= e.clientWidth])")
     assert labels == [[t, True] for t in tokens]  # every row label shown whole
+
+
+def test_blocked_scores_given_as_minus_infinity(open_page):
+    import torch
+
+    scores = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(1))
+    scores = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(diagonal=1), float("-inf"))
+    maps = visual.HeadMaps(torch.softmax(scores, dim=-1), scores=scores)
+    page, events, url = open_page(visual.render_html(None, [maps]))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    cells = page.eval_on_selector_all("#heat-scores .cell", "els => els.map(e => e.textContent)")
+    assert cells[1] == cells[2] == cells[5] == "\u2212\u221e"
+    assert cells[0] == f"{scores[0, 0, 0].item():.1f}"
+    page.hover('#heat-scores .cell[data-q="0"][data-k="2"]')
+    assert page.inner_text("#tip").endswith("score: \u2212\u221e (blocked)")

@@ -295,3 +295,28 @@ def test_png_without_matplotlib_says_install_viz(tmp_path, monkeypatch):
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and "install multihead[viz]" in err
     assert not path.exists()
+
+
+def test_non_finite_scores_become_null_and_finite_ones_stay_exact():
+    scores = torch.randn(2, 3, 3)
+    blocked = torch.ones(3, 3, dtype=torch.bool).triu(diagonal=1)
+    scores = scores.masked_fill(blocked, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    data = visual.page_data(None, [HeadMaps(weights, scores=scores)])
+    shown = data["maps"][0]["scores"]
+    for h in range(2):
+        for i in range(3):
+            for j in range(3):
+                if blocked[i, j]:
+                    assert shown[h][i][j] is None
+                else:
+                    assert torch.tensor(shown[h][i][j], dtype=torch.float32) == scores[h, i, j]
+    json.loads(visual._script_json(data))  # valid JSON: no -Infinity
+
+
+def test_page_data_rejects_unknown_language_and_empty_maps():
+    weights = torch.softmax(torch.randn(1, 2, 2), dim=-1)
+    with pytest.raises(ValueError, match="lang must be one of"):
+        visual.page_data(None, [HeadMaps(weights)], lang="fr")
+    with pytest.raises(ValueError, match="maps is empty"):
+        visual.page_data(None, [])

@@ -7,6 +7,9 @@ Two neutral inputs feed both formats, so any source can be drawn:
 * per-head attention maps, :class:`HeadMaps`, one per batch element: the weights (H, Lq, Lk),
   optionally the scores and the mask, and the query/key tokens when there are tokens.
 
+A source (the module example here, a pretrained model elsewhere) calls :func:`prepare` first
+(argument checks, before any work), then :func:`write` with its trace and maps.
+
 ``--format html`` writes one self-contained page (inline CSS, JS and SVG; the data as JSON in a
 ``<script type="application/json">`` block; no network). ``--format png`` writes a grid of
 per-head heat maps with matplotlib (the ``viz`` extra).
@@ -17,6 +20,7 @@ Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from html import escape
@@ -31,7 +35,7 @@ from ..trace import Step, Trace
 from . import visual_text as _text
 from .visual_svg import axis_sizes, step_svg
 
-__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "run"]
+__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "prepare", "write", "run"]
 
 
 @dataclass
@@ -39,7 +43,8 @@ class HeadMaps:
     """The attention of one batch element, head by head.
 
     weights: (H, Lq, Lk) attention weights (rows sum to 1 where a key is visible).
-    scores: (H, Lq, Lk) scaled scores before the mask, or None when the source has none.
+    scores: (H, Lq, Lk) scaled scores before the mask, or None when the source has none
+        (blocked scores given as -inf are shown as blocked cells).
     keep: (H, Lq, Lk) bool, True = the query may attend to the key; None = no mask.
     q_tokens / k_tokens: Lq / Lk strings, or None to label positions by number.
     title: one line saying what this is (model, layer, batch element).
@@ -130,8 +135,11 @@ def head_maps_from_trace(
 
 
 # ---------------------------------------------------------------------------- data for the page
-def _f32(value: float) -> float:
-    """The shortest decimal that reads back as the same float32 (keeps the JSON small and exact)."""
+def _f32(value: float) -> Optional[float]:
+    """The shortest decimal that reads back as the same float32 (keeps the JSON small and exact);
+    None (JSON null, drawn as a blocked cell) for -inf, inf and NaN, which JSON cannot hold."""
+    if not math.isfinite(value):
+        return None
     target = struct.unpack("f", struct.pack("f", value))[0]
     for digits in range(6, 10):
         short = float(f"{target:.{digits}g}")
@@ -282,7 +290,11 @@ def render_html(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str =
 
 
 # ---------------------------------------------------------------------------- CLI
-def _out_path(args) -> Path:
+def prepare(args) -> Path:
+    """Check ``--out`` (and matplotlib for png) before any work; returns the output path.
+
+    A user mistake raises :class:`multihead.cli.UsageError` (one line, exit 2).
+    """
     if args.out is None:
         example = "walkthrough.html" if args.format == "html" else "heads.png"
         raise UsageError(f"--format {args.format} writes a file: add --out FILE (for example --out {example})")
@@ -291,21 +303,29 @@ def _out_path(args) -> Path:
         raise UsageError(f"--out {args.out} is a directory; give a file name such as {out / 'walkthrough.html'}")
     if not out.parent.is_dir():
         raise UsageError(f"--out {args.out}: the directory {out.parent} does not exist; create it first")
+    if args.format == "png":
+        from .visual_png import require_matplotlib
+
+        require_matplotlib()
     return out
 
 
-def run(args, stdout) -> int:
-    """``multihead explain --format html|png --out FILE``; returns the exit code."""
-    out = _out_path(args)
-    if args.format == "png":
-        from .visual_png import require_matplotlib, save_heads_png
-
-        require_matplotlib()
-    trace = _example_trace(args)
-    maps = head_maps_from_trace(trace)
+def write(args, out: Path, trace: Optional[Trace], maps: Sequence[HeadMaps], stdout) -> int:
+    """Write ``--format html`` (trace and maps) or ``png`` (the first batch element's maps) to ``out``."""
     if args.format == "html":
         out.write_text(render_html(trace, maps, lang=args.lang), encoding="utf-8")
-    else:
+    elif args.format == "png":
+        from .visual_png import save_heads_png
+
         save_heads_png(maps[0], out)
+    else:
+        raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
     print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
     return 0
+
+
+def run(args, stdout) -> int:
+    """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code."""
+    out = prepare(args)
+    trace = _example_trace(args)
+    return write(args, out, trace, head_maps_from_trace(trace), stdout)

@@ -59,7 +59,7 @@
 
   function maxAbs(m) {
     var best = 0;
-    m.forEach(function (row) { row.forEach(function (v) { best = Math.max(best, Math.abs(v)); }); });
+    m.forEach(function (row) { row.forEach(function (v) { if (v !== null) best = Math.max(best, Math.abs(v)); }); });
     return best;
   }
 
@@ -80,16 +80,16 @@
     for (var i = 0; i < Lq; i++) {
       if (full) g.appendChild(el("div", "tok row", q[i]));
       for (var j = 0; j < Lk; j++) {
-        var v = m[i][j], c = el("div", "cell");
-        c.style.background = spec.color(v, scale);
-        if (keep && !keep[i][j] && kind !== "mask") c.classList.add("blocked");
+        var v = m[i][j], c = el("div", "cell"); // v is null where the source had no finite value (-inf)
+        c.style.background = v === null ? mix(WHITE, GREY, 1) : spec.color(v, scale);
+        if (v === null || (keep && !keep[i][j] && kind !== "mask")) c.classList.add("blocked");
         if (full) {
-          c.dataset.v = String(v);
+          if (v !== null) c.dataset.v = String(v);
           c.dataset.q = String(i);
           c.dataset.k = String(j);
           if (Lk <= VALUES_UP_TO) {
-            c.textContent = spec.cell(v);
-            c.style.color = spec.dark(v, scale) ? "#fff" : "#1d232b";
+            c.textContent = v === null ? "\u2212\u221e" : spec.cell(v);
+            c.style.color = v !== null && spec.dark(v, scale) ? "#fff" : "#1d232b";
           }
         }
         g.appendChild(c);
@@ -126,13 +126,14 @@
 
   function describe(cell) {
     var map = current(), grid = cell.parentNode, kind = grid.dataset.kind;
-    var i = Number(cell.dataset.q), j = Number(cell.dataset.k), v = Number(cell.dataset.v);
+    var i = Number(cell.dataset.q), j = Number(cell.dataset.k);
+    var v = cell.dataset.v === undefined ? "\u2212\u221e" : KINDS[kind].read(Number(cell.dataset.v));
     var q = labels(map.q_tokens, map.weights[0].length)[i];
     var k = labels(map.k_tokens, map.weights[0][0].length)[j];
     var text = ui("head") + " " + grid.dataset.head + "\n" +
       ui("query") + " " + i + (map.q_tokens ? " \u201c" + q + "\u201d" : "") + " \u2192 " +
       ui("key") + " " + j + (map.k_tokens ? " \u201c" + k + "\u201d" : "") + "\n" +
-      ui("short_" + kind) + ": " + KINDS[kind].read(v);
+      ui("short_" + kind) + ": " + v;
     if (cell.classList.contains("blocked")) text += " (" + ui("blocked") + ")";
     return text;
   }
@@ -148,17 +149,17 @@
   var panels = document.querySelector(".panels");
   panels.addEventListener("mouseover", function (e) {
     var cell = e.target.closest(".cell");
-    if (cell && cell.dataset.v !== undefined) showTip(cell, e.clientX, e.clientY);
+    if (cell && cell.dataset.q !== undefined) showTip(cell, e.clientX, e.clientY);
   });
   panels.addEventListener("mousemove", function (e) {
     var cell = e.target.closest(".cell");
-    if (cell && cell.dataset.v !== undefined) showTip(cell, e.clientX, e.clientY);
+    if (cell && cell.dataset.q !== undefined) showTip(cell, e.clientX, e.clientY);
     else tip.hidden = true;
   });
   panels.addEventListener("mouseleave", function () { tip.hidden = true; });
   panels.addEventListener("click", function (e) { // touch screens: tap a cell to read it
     var cell = e.target.closest(".cell");
-    if (cell && cell.dataset.v !== undefined) showTip(cell, e.clientX, e.clientY);
+    if (cell && cell.dataset.q !== undefined) showTip(cell, e.clientX, e.clientY);
   });
   window.addEventListener("scroll", function () { tip.hidden = true; }, { passive: true });
 
