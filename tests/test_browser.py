@@ -170,6 +170,7 @@ def test_language_toggle_switches_the_text(browser_page):
         assert page.inner_text("h1") == "多头注意力，逐步拆解" != title_en
         assert page.inner_text("li.step .meaning") != meaning_en
         assert page.title() == "多头注意力，逐步拆解"
+        page.evaluate("window.scrollTo(0, 0)")
         page.screenshot(path=str(ARTIFACTS / "walkthrough-1280x800-zh.png"))
     finally:
         page.click("#lang-toggle")
@@ -181,6 +182,7 @@ def test_phone_width_has_no_sideways_scroll(browser_page):
     page, _, _, events = browser_page
     page.set_viewport_size({"width": 390, "height": 844})
     try:
+        page.evaluate("window.scrollTo(0, 0)")
         page.screenshot(path=str(ARTIFACTS / "walkthrough-390x844.png"))
         assert page.evaluate("document.documentElement.scrollWidth") <= 390
         widths = page.eval_on_selector_all("li.step", "els => els.map(e => e.getBoundingClientRect().right)")

@@ -183,11 +183,12 @@ def test_step_drawings_carry_axis_names_and_sizes_and_mark_views(pages):
     repeat = trace.step("repeat kv heads K")
     svg = step_svg(repeat, axis_sizes(trace, repeat))
     assert ">hkv = 2</text>" in svg and ">(hkv g) = 2·2</text>" in svg
-    assert '<svg class="arrow move"' in svg and "stroke-dasharray" not in svg
+    assert '<svg class="arrow copy"' in svg and "stroke-dasharray" not in svg
     scores = trace.step("scores QKᵀ")
     svg = step_svg(scores, axis_sizes(trace, scores))
     for label in ("q = 4", "k = 6", "d = 4", "h = 4"):
         assert f">{label}</text>" in svg, label
+    assert '<svg class="arrow compute"' in svg
 
 
 def test_step_kinds():

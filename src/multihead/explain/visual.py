@@ -33,9 +33,9 @@ import torch
 from ..cli import UsageError
 from ..trace import Step, Trace
 from . import visual_text as _text
-from .visual_svg import axis_sizes, step_svg
+from .visual_svg import axis_sizes, step_kind, step_svg
 
-__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "prepare", "write", "run"]
+__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
 
 
 @dataclass
@@ -155,13 +155,6 @@ def _floats(t: torch.Tensor) -> list:
     return [_floats(row) for row in t] if t.dim() > 1 else [_f32(v) for v in t.tolist()]
 
 
-def step_kind(step: Step) -> str:
-    """"view" (no data moved), "copy" (a layout change that moved data) or "compute"."""
-    if step.view:
-        return "view"
-    return "copy" if step.pattern and "," not in step.pattern else "compute"
-
-
 def page_data(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str = "en") -> dict:
     """Everything the page's script reads, JSON-ready."""
     if lang not in _text.LANGS:
@@ -277,11 +270,13 @@ def render_html(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str =
     )
     if trace is not None:
         sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(trace)}</section>')
+    targets = ("steps", "attention", "checks") if trace is not None else ("attention",)
+    nav = "".join(f'<a href="#{t}">{_both("nav_" + t)}</a>' for t in targets)
     return (
         f'<!DOCTYPE html>\n<html lang="{lang}" data-lang="{lang}"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_asset('walkthrough.css')}</style></head><body>"
-        f'<header><h1>{_both("title")}</h1><button type="button" id="lang-toggle">'
+        f'<header><h1>{_both("title")}</h1><nav>{nav}</nav><button type="button" id="lang-toggle">'
         f'{_both("lang_button")}</button></header><main>{"".join(sections)}</main>'
         f'<div id="tip" role="tooltip" hidden></div>'
         f'<script type="application/json" id="mh-data">{_script_json(data)}</script>'

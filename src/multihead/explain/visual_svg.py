@@ -16,9 +16,8 @@ from __future__ import annotations
 import re
 from html import escape
 from math import prod
-from typing import Optional
 
-__all__ = ["axis_sizes", "parse_pattern", "step_svg"]
+__all__ = ["axis_sizes", "parse_pattern", "step_kind", "step_svg"]
 
 _CELL = 18
 _MAX_W = 180
@@ -31,6 +30,14 @@ _MAX_STRIPES = 16
 _PAD = 6
 
 _COLORS = {"Q": "#3b7dd8", "K": "#e08a1e", "V": "#3a9a5b", "scores": "#8e5cc2", "": "#6b7785"}
+
+
+def step_kind(step) -> str:
+    """"view" (no data moved), "copy" (a layout change that moved data) or "compute" (a new tensor
+    from arithmetic: projections, products, softmax, ...)."""
+    if step.view:
+        return "view"
+    return "copy" if step.pattern and "," not in step.pattern else "compute"
 
 
 def _role(step) -> str:
@@ -181,8 +188,8 @@ def step_svg(step, sizes: dict[str, int]) -> str:
         if i < len(operands) - 1:
             pieces.append('<span class="sep">,</span>')
     if operands:
-        kind = "view" if step.view else "move"
-        dash = ' stroke-dasharray="5 4"' if step.view else ""
+        kind = step_kind(step)
+        dash = ' stroke-dasharray="5 4"' if kind == "view" else ""
         pieces.append(
             f'<svg class="arrow {kind}" viewBox="0 0 56 16" width="56" height="16" aria-hidden="true">'
             f'<line x1="4" y1="8" x2="44" y2="8"{dash}/><path d="M44,3 L52,8 L44,13 z"/></svg>'

@@ -88,7 +88,11 @@ UI: dict[str, dict[str, str]] = {
         "backend": "Backend that ran",
         "steps": "The pipeline",
         "steps_intro": "Every step of the forward pass, with the shape of the tensor it produces. "
-        "The sides of each block carry the axis names and sizes.",
+        "The sides of each block carry the axis names and sizes; a dashed arrow is a view (the same "
+        "memory read another way), a solid one makes a new tensor.",
+        "nav_steps": "Pipeline",
+        "nav_attention": "Heat maps",
+        "nav_checks": "Checks",
         "view": "view: no data moved",
         "copy": "copy: data moved",
         "compute": "computed",
@@ -117,7 +121,11 @@ UI: dict[str, dict[str, str]] = {
         "config": "配置",
         "backend": "实际运行的后端",
         "steps": "计算流程",
-        "steps_intro": "前向计算的每一步，以及它产生的张量形状。每个方块的边上标有轴名和大小。",
+        "steps_intro": "前向计算的每一步，以及它产生的张量形状。每个方块的边上标有轴名和大小；"
+        "虚线箭头表示视图（同一块内存换一种读法），实线箭头表示生成新张量。",
+        "nav_steps": "流程",
+        "nav_attention": "热力图",
+        "nav_checks": "检查",
         "view": "视图：数据未移动",
         "copy": "复制：数据被移动",
         "compute": "计算",
