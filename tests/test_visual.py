@@ -321,3 +321,21 @@ def test_page_data_rejects_unknown_language_and_empty_maps():
         visual.page_data(None, [HeadMaps(weights)], lang="fr")
     with pytest.raises(ValueError, match="maps is empty"):
         visual.page_data(None, [])
+
+
+def test_keep_follows_a_user_mask_and_a_minus_infinity_bias():
+    from multihead import MultiHeadAttention, masks
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(4, 2, backend="reference")
+    x = torch.randn(2, 3, 4)
+    padding = torch.tensor([[True, True, False], [True, True, True]])
+    bias = torch.zeros(3, 3)
+    bias[0, 1] = float("-inf")
+    with Trace(keep_values=True) as tr:
+        mha(x, mask=masks.key_padding(padding) & masks.bias(bias))
+    maps = head_maps_from_trace(tr)
+    expected = padding[:, None, :] & (bias != float("-inf"))  # (B, Lq, Lk)
+    for b, m in enumerate(maps):
+        assert torch.equal(m.keep, expected[b].expand(2, 3, 3))
+        assert torch.equal(m.weights[~m.keep], torch.zeros(int((~m.keep).sum())))

@@ -93,8 +93,10 @@ def _example_trace(args) -> Trace:
     return tr
 
 
-def _mask_step(trace: Trace) -> Optional[Step]:
-    return next((s for s in trace.steps if s.name.endswith(" mask") and s.axes[-2:] == ("q", "k")), None)
+def _softmax_input(trace: Trace, softmax: Step) -> Step:
+    """The step whose output the softmax read: the scores after scale, bias and mask."""
+    i = next(i for i, s in enumerate(trace.steps) if s is softmax)
+    return trace.steps[i - 1]
 
 
 def head_maps_from_trace(
@@ -106,20 +108,20 @@ def head_maps_from_trace(
     """One :class:`HeadMaps` per batch element, from a trace with values of the reference backend.
 
     weights: the ``softmax`` step; scores: the ``scale`` step (scaled, before any mask);
-    keep: where the mask step left a finite score (all True when no mask was applied).
+    keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias).
     """
     try:
-        weights = trace.step("softmax").tensor
+        softmax = trace.step("softmax")
         scores = trace.step("scale").tensor
     except KeyError as e:
         raise ValueError(
             f"the trace has no attention steps ({e}); record it with the reference backend "
             "(backend='reference' or return_weights=True)"
         ) from None
+    weights = softmax.tensor
     if weights is None:
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
-    mask = _mask_step(trace)
-    keep = mask.tensor != float("-inf") if mask is not None else torch.ones_like(weights, dtype=torch.bool)
+    keep = _softmax_input(trace, softmax).tensor != float("-inf")
     cfg = trace.config
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
@@ -127,7 +129,7 @@ def head_maps_from_trace(
     )
     return [
         HeadMaps(
-            weights=weights[b], scores=scores[b], keep=keep[b].expand_as(weights[b]),
+            weights=weights[b], scores=scores[b], keep=keep[b],
             q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
         )
         for b in range(weights.shape[0])
