@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean browser
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +19,13 @@ $(STAMP): $(VENV)/bin/python pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/multihead explain
 
-test: $(STAMP)
+# tests/test_browser.py drives Debian's chromium with Playwright (no browser download); it skips,
+# saying why, only when chromium cannot be installed here.
+browser:
+	@command -v chromium >/dev/null 2>&1 || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium fonts-wqy-microhei) \
+		|| echo "could not install chromium: tests/test_browser.py will skip"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -1,0 +1,328 @@
+"""``multihead explain --format html|png``: the walkthrough as a picture.
+
+Two neutral inputs feed both formats, so any source can be drawn:
+
+* a :class:`multihead.Trace` recorded with ``keep_values=True`` (the steps, their shapes, axes,
+  patterns, view/copy flags, checks, and values; the config and the backend that ran);
+* per-head attention maps, :class:`HeadMaps`, one per batch element: the weights (H, Lq, Lk),
+  optionally the scores and the mask, and the query/key tokens when there are tokens.
+
+A source (the module example here, a pretrained model elsewhere) calls :func:`prepare` first
+(argument checks, before any work), then :func:`write` with its trace and maps.
+
+``--format html`` writes one self-contained page (inline CSS, JS and SVG; the data as JSON in a
+``<script type="application/json">`` block; no network). ``--format png`` writes a grid of
+per-head heat maps with matplotlib (the ``viz`` extra).
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from html import escape
+from importlib import resources
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..cli import UsageError
+from ..trace import Step, Trace
+from . import visual_text as _text
+from .visual_svg import axis_sizes, step_kind, step_svg
+
+__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
+
+
+@dataclass
+class HeadMaps:
+    """The attention of one batch element, head by head.
+
+    weights: (H, Lq, Lk) attention weights (rows sum to 1 where a key is visible).
+    scores: (H, Lq, Lk) scaled scores before the mask, or None when the source has none
+        (blocked scores given as -inf are shown as blocked cells).
+    keep: (H, Lq, Lk) bool, True = the query may attend to the key; None = no mask.
+    q_tokens / k_tokens: Lq / Lk strings, or None to label positions by number.
+    title: one line saying what this is (model, layer, batch element).
+    """
+
+    weights: torch.Tensor
+    q_tokens: Optional[Sequence[str]] = None
+    k_tokens: Optional[Sequence[str]] = None
+    title: str = ""
+    scores: Optional[torch.Tensor] = None
+    keep: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 3:
+            raise ValueError(f"weights must be an (H, Lq, Lk) tensor, got {getattr(self.weights, 'shape', type(self.weights))}")
+        shape = tuple(self.weights.shape)
+        for name in ("scores", "keep"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but weights have {shape}; they must match")
+        for name, n in (("q_tokens", shape[1]), ("k_tokens", shape[2])):
+            tokens = getattr(self, name)
+            if tokens is not None and len(tokens) != n:
+                raise ValueError(f"{name} has {len(tokens)} tokens but the weights have {n} along that axis")
+
+    @property
+    def num_heads(self) -> int:
+        return self.weights.shape[0]
+
+
+# ---------------------------------------------------------------------------- the example
+def _example_trace(args) -> Trace:
+    """Run the CLI's configuration through MultiHeadAttention (reference backend) and trace it."""
+    from ..module import MultiHeadAttention
+
+    torch.manual_seed(args.seed)
+    mha = MultiHeadAttention(
+        args.d_in, args.heads, args.d_out, num_kv_heads=args.kv_heads, causal=args.causal,
+        dropout=args.dropout, backend="reference",
+    )
+    mha.train(args.dropout > 0)
+    x = torch.randn(args.batch, args.tokens, args.d_in)
+    memory = torch.randn(args.batch, args.keys, args.d_in) if args.keys else None
+    with torch.no_grad(), Trace(keep_values=True) as tr:
+        mha(x) if memory is None else mha(x, memory)
+    return tr
+
+
+def _softmax_input(trace: Trace, softmax: Step) -> Step:
+    """The step whose output the softmax read: the scores after scale, bias and mask."""
+    i = next(i for i, s in enumerate(trace.steps) if s is softmax)
+    return trace.steps[i - 1]
+
+
+def head_maps_from_trace(
+    trace: Trace,
+    *,
+    q_tokens: Optional[Sequence[str]] = None,
+    k_tokens: Optional[Sequence[str]] = None,
+) -> list[HeadMaps]:
+    """One :class:`HeadMaps` per batch element, from a trace with values of the reference backend.
+
+    weights: the ``softmax`` step; scores: the ``scale`` step (scaled, before any mask);
+    keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias).
+    """
+    try:
+        softmax = trace.step("softmax")
+        scores = trace.step("scale").tensor
+    except KeyError as e:
+        raise ValueError(
+            f"the trace has no attention steps ({e}); record it with the reference backend "
+            "(backend='reference' or return_weights=True)"
+        ) from None
+    weights = softmax.tensor
+    if weights is None:
+        raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
+    keep = _softmax_input(trace, softmax).tensor != float("-inf")
+    cfg = trace.config
+    desc = (
+        f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
+        f"D={cfg.get('head_dim')}, causal={cfg.get('causal')}"
+    )
+    return [
+        HeadMaps(
+            weights=weights[b], scores=scores[b], keep=keep[b],
+            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
+        )
+        for b in range(weights.shape[0])
+    ]
+
+
+# ---------------------------------------------------------------------------- data for the page
+def _f32(value: float) -> Optional[float]:
+    """The shortest decimal that reads back as the same float32 (keeps the JSON small and exact);
+    None (JSON null, drawn as a blocked cell) for -inf, inf and NaN, which JSON cannot hold."""
+    if not math.isfinite(value):
+        return None
+    target = struct.unpack("f", struct.pack("f", value))[0]
+    for digits in range(6, 10):
+        short = float(f"{target:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == target:
+            return short
+    return target
+
+
+def _floats(t: torch.Tensor) -> list:
+    t = t.detach().to(torch.float32).cpu()
+    if t.dim() == 0:
+        return _f32(t.item())
+    return [_floats(row) for row in t] if t.dim() > 1 else [_f32(v) for v in t.tolist()]
+
+
+def page_data(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str = "en") -> dict:
+    """Everything the page's script reads, JSON-ready."""
+    if lang not in _text.LANGS:
+        raise ValueError(f"lang must be one of {_text.LANGS}, got {lang!r}")
+    if not maps:
+        raise ValueError("maps is empty: pass one HeadMaps per batch element")
+    return {
+        "lang": lang,
+        "ui": _text.UI,
+        "config": dict(trace.config) if trace is not None else {},
+        "steps": [
+            {**s.to_dict(), "kind": step_kind(s), "meaning": _text.meaning(s.name)} for s in (trace.steps if trace else [])
+        ],
+        "maps": [
+            {
+                "title": m.title,
+                "q_tokens": list(m.q_tokens) if m.q_tokens is not None else None,
+                "k_tokens": list(m.k_tokens) if m.k_tokens is not None else None,
+                "weights": _floats(m.weights),
+                "scores": _floats(m.scores) if m.scores is not None else None,
+                "keep": m.keep.to(torch.int64).tolist() if m.keep is not None else None,
+            }
+            for m in maps
+        ],
+    }
+
+
+def _script_json(data: dict) -> str:
+    """JSON that cannot close its <script> block: <, > and & are written as \\u escapes."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+# ---------------------------------------------------------------------------- HTML
+def _both(key_or_texts, tag: str = "span") -> str:
+    """The English and the Chinese text, each in its own element; CSS shows one."""
+    texts = {lang: _text.UI[lang][key_or_texts] for lang in _text.LANGS} if isinstance(key_or_texts, str) else key_or_texts
+    return "".join(f'<{tag} data-l="{lang}" lang="{lang}">{escape(texts[lang])}</{tag}>' for lang in _text.LANGS)
+
+
+def _shape(step: Step) -> str:
+    return "(" + ", ".join(f"{a}={n}" for a, n in zip(step.axes, step.shape)) + ")" if step.axes else str(tuple(step.shape))
+
+
+def _steps_html(trace: Trace) -> str:
+    items = []
+    for i, s in enumerate(trace.steps):
+        kind = step_kind(s)
+        pattern = f'<p class="pattern"><span class="k">{_both("pattern")}</span> <code>{escape(s.pattern)}</code></p>' if s.pattern else ""
+        note = f'<p class="note">{escape(s.note)}</p>' if s.note else ""
+        meaning = _text.meaning(s.name)
+        meaning_html = f'<p class="meaning">{_both(meaning)}</p>' if any(meaning.values()) else ""
+        items.append(
+            f'<li class="step {kind}" id="step-{i}" data-step="{escape(s.label, quote=True)}">'
+            f'<h3><span class="num">{i + 1}</span> <span class="name">{escape(s.label)}</span> '
+            f'<span class="badge {kind}">{_both(kind)}</span></h3>'
+            f'<p class="shape"><code>{escape(_shape(s))}</code></p>{pattern}{meaning_html}'
+            f'{step_svg(s, axis_sizes(trace, s))}{note}</li>'
+        )
+    return "".join(items)
+
+
+def _checks_html(trace: Trace) -> str:
+    checks = trace.checks
+    if not checks:
+        return f"<p>{_both('checks_none')}</p>"
+    held = sum(checks.values())
+    rows = "".join(
+        f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> {escape(name)}</li>'
+        for name, ok in checks.items()
+    )
+    return f'<p class="summary">{held}/{len(checks)}</p><ul class="checks">{rows}</ul>'
+
+
+def _config_html(config: dict) -> str:
+    items = "".join(
+        f"<li><span>{escape(str(k))}</span> <code>{escape(str(v))}</code></li>" for k, v in config.items() if k != "backend"
+    )
+    backend = escape(str(config.get("backend", "?")))
+    return f'<p class="backend">{_both("backend")}: <code id="backend">{backend}</code></p><ul class="config">{items}</ul>'
+
+
+def _asset(name: str) -> str:
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def render_html(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str = "en") -> str:
+    """One self-contained HTML page: the steps of ``trace`` (when given) and the heat maps of ``maps``."""
+    data = page_data(trace, maps, lang=lang)
+    title = _text.UI[lang]["title"]
+    sections = []
+    if trace is not None:
+        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(trace.config)}</section>')
+        sections.append(
+            f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
+            f'<ol class="steps">{_steps_html(trace)}</ol></section>'
+        )
+    batch_options = "".join(f'<option value="{b}">{b}</option>' for b in range(len(maps)))
+    head_options = "".join(f'<option value="{h}">{h}</option>' for h in range(maps[0].num_heads))
+    sections.append(
+        f'<section id="attention"><h2>{_both("attention")}</h2>'
+        f'<p class="map-title" id="map-title">{escape(maps[0].title)}</p>'
+        f'<div class="controls">'
+        f'<label>{_both("batch")} <select id="batch-select">{batch_options}</select></label>'
+        f'<label>{_both("head")} <select id="head-select">{head_options}</select></label></div>'
+        f'<p class="hint">{_both("hover")}</p><p class="hint" id="no-scores" hidden>{_both("no_scores")}</p>'
+        f'<div class="panels">'
+        f'<figure class="panel" id="panel-scores"><figcaption>{_both("scores")}</figcaption><div class="heat" id="heat-scores"></div></figure>'
+        f'<figure class="panel" id="panel-mask"><figcaption>{_both("mask")}</figcaption><div class="heat" id="heat-mask"></div></figure>'
+        f'<figure class="panel" id="panel-weights"><figcaption>{_both("weights")}</figcaption><div class="heat" id="heat-weights"></div></figure>'
+        f"</div>"
+        f'<h3>{_both("all_heads")}</h3><div class="heads" id="all-heads"></div></section>'
+    )
+    if trace is not None:
+        sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(trace)}</section>')
+    targets = ("steps", "attention", "checks") if trace is not None else ("attention",)
+    nav = "".join(f'<a href="#{t}">{_both("nav_" + t)}</a>' for t in targets)
+    return (
+        f'<!DOCTYPE html>\n<html lang="{lang}" data-lang="{lang}"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(title)}</title><style>{_asset('walkthrough.css')}</style></head><body>"
+        f'<header><h1>{_both("title")}</h1><nav>{nav}</nav><button type="button" id="lang-toggle">'
+        f'{_both("lang_button")}</button></header><main>{"".join(sections)}</main>'
+        f'<div id="tip" role="tooltip" hidden></div>'
+        f'<script type="application/json" id="mh-data">{_script_json(data)}</script>'
+        f"<script>{_asset('walkthrough.js')}</script></body></html>\n"
+    )
+
+
+# ---------------------------------------------------------------------------- CLI
+def prepare(args) -> Path:
+    """Check ``--out`` (and matplotlib for png) before any work; returns the output path.
+
+    A user mistake raises :class:`multihead.cli.UsageError` (one line, exit 2).
+    """
+    if args.out is None:
+        example = "walkthrough.html" if args.format == "html" else "heads.png"
+        raise UsageError(f"--format {args.format} writes a file: add --out FILE (for example --out {example})")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {args.out} is a directory; give a file name such as {out / 'walkthrough.html'}")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {args.out}: the directory {out.parent} does not exist; create it first")
+    if args.format == "png":
+        from .visual_png import require_matplotlib
+
+        require_matplotlib()
+    return out
+
+
+def write(args, out: Path, trace: Optional[Trace], maps: Sequence[HeadMaps], stdout) -> int:
+    """Write ``--format html`` (trace and maps) or ``png`` (the first batch element's maps) to ``out``."""
+    if args.format == "html":
+        out.write_text(render_html(trace, maps, lang=args.lang), encoding="utf-8")
+    elif args.format == "png":
+        from .visual_png import save_heads_png
+
+        save_heads_png(maps[0], out)
+    else:
+        raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
+    print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+    return 0
+
+
+def run(args, stdout) -> int:
+    """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code."""
+    out = prepare(args)
+    trace = _example_trace(args)
+    return write(args, out, trace, head_maps_from_trace(trace), stdout)

@@ -1,0 +1,231 @@
+"""The HTML walkthrough in a real browser: Debian's headless Chromium driven by Playwright.
+
+Opened from disk (file://) with a fresh profile and every background service off. Asserts no
+console error, no request but the file itself, every step drawn, the head selector and the
+language toggle working, tokens shown as text, and no sideways scrolling on a phone. Screenshots
+go to artifacts/ (1280x800 and 390x844).
+
+Skips only when Chromium or Playwright is not installed (``make test`` installs both).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from multihead.cli import build_parser
+from multihead.explain import visual
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+TOKENS_Q = ["<script>", "a & b", '"q"', "tok"]
+TOKENS_K = ["<script>", "a & b", '"q"', "tok", "</b>", "end"]
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        reason = "Debian's chromium is not installed (make test runs: apt-get install -y chromium)"
+        print(f"SKIP: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser_page(tmp_path_factory):
+    chromium = _chromium()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = "the playwright package is not installed (it is in the test extra: pip install -e '.[test]')"
+        print(f"SKIP: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+
+    args = build_parser().parse_args(
+        ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
+    )
+    trace = visual._example_trace(args)
+    maps = visual.head_maps_from_trace(trace, q_tokens=TOKENS_Q, k_tokens=TOKENS_K)
+    tmp = tmp_path_factory.mktemp("browser")
+    page_path = tmp / "walkthrough.html"
+    page_path.write_text(visual.render_html(trace, maps), encoding="utf-8")
+    url = page_path.as_uri()
+
+    events = {"console_errors": [], "requests": [], "dialogs": []}
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp / "profile"), executable_path=chromium, args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1280, "height": 800},
+        )
+        context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://") else route.abort())
+        page = context.new_page()
+        page.on("console", lambda m: m.type == "error" and events["console_errors"].append(m.text))
+        page.on("pageerror", lambda e: events["console_errors"].append(str(e)))
+        page.on("request", lambda r: events["requests"].append(r.url))
+        page.on("dialog", lambda d: (events["dialogs"].append(d.message), d.dismiss()))
+        page.goto(url, wait_until="load")
+        page.wait_for_selector("#heat-weights .cell")
+        try:
+            yield page, trace, maps, events
+        finally:
+            context.close()
+
+
+@pytest.fixture
+def open_page(browser_page, tmp_path):
+    """Open another page in the same browser: (html text) -> (page, events)."""
+    context = browser_page[0].context
+    opened = []
+
+    def open_(text: str):
+        path = tmp_path / f"page{len(opened)}.html"
+        path.write_text(text, encoding="utf-8")
+        url = path.as_uri()
+        events = {"console_errors": [], "requests": []}
+        page = context.new_page()
+        opened.append(page)
+        page.on("console", lambda m: m.type == "error" and events["console_errors"].append(m.text))
+        page.on("pageerror", lambda e: events["console_errors"].append(str(e)))
+        page.on("request", lambda r: events["requests"].append(r.url))
+        page.goto(url, wait_until="load")
+        return page, events, url
+
+    yield open_
+    for page in opened:
+        page.close()
+
+
+def _weights_shown(page) -> list[float]:
+    return page.eval_on_selector_all("#heat-weights .cell", "cells => cells.map(c => Number(c.dataset.v))")
+
+
+def test_loads_without_errors_or_network(browser_page):
+    page, trace, _, events = browser_page
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-1280x800.png"))
+    assert events["console_errors"] == []
+    assert events["dialogs"] == []
+    assert events["requests"] == [page.url]
+    assert page.eval_on_selector("#backend", "e => e.textContent") == trace.config["backend"]
+
+
+def test_every_step_section_is_drawn(browser_page):
+    page, trace, _, _ = browser_page
+    labels = page.eval_on_selector_all("li.step", "els => els.map(e => e.dataset.step)")
+    assert labels == [s.label for s in trace.steps]
+    blocks = page.eval_on_selector_all(
+        "li.step",
+        "els => els.map(e => Array.from(e.querySelectorAll('svg.blocks'), s => s.getBoundingClientRect())"
+        ".map(r => [r.width, r.height]))",
+    )
+    for step, sizes in zip(trace.steps, blocks):  # input block(s) and output, each really drawn
+        expected = 1 + (len(step.pattern.split("->")[0].split(",")) if step.pattern else 0)
+        assert len(sizes) == expected, step.label
+        assert all(w > 40 and h > 30 for w, h in sizes), (step.label, sizes)
+
+
+def test_switching_head_changes_the_heat_map(browser_page):
+    page, _, maps, _ = browser_page
+    flat = lambda h: [v for row in maps[0].weights[h].tolist() for v in row]  # noqa: E731
+    page.select_option("#head-select", "0")
+    shown0 = _weights_shown(page)
+    page.select_option("#head-select", "3")
+    shown3 = _weights_shown(page)
+    assert shown0 != shown3
+    assert shown0 == pytest.approx(flat(0), abs=1e-6) and shown3 == pytest.approx(flat(3), abs=1e-6)
+    page.click('.thumb[data-head="1"]')
+    assert page.eval_on_selector("#head-select", "e => e.value") == "1"
+    assert _weights_shown(page) == pytest.approx(flat(1), abs=1e-6)
+    assert page.eval_on_selector_all(".thumb.selected", "els => els.map(e => e.dataset.head)") == ["1"]
+
+
+def test_hover_reads_value_and_tokens_as_text(browser_page):
+    page, _, maps, events = browser_page
+    page.select_option("#head-select", "2")
+    page.hover('#heat-weights .cell[data-q="3"][data-k="0"]')
+    tip = page.inner_text("#tip")
+    assert page.is_visible("#tip")
+    assert "“tok” → " in tip and "“<script>”" in tip
+    assert f"{maps[0].weights[2, 3, 0].item():.4g}" in tip
+    rows = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => e.textContent)")
+    cols = page.eval_on_selector_all("#heat-weights .tok.col", "els => els.map(e => e.textContent)")
+    assert rows == TOKENS_Q and cols == TOKENS_K
+    assert events["dialogs"] == [] and page.evaluate("document.querySelectorAll('b').length") == 0
+
+
+def test_language_toggle_switches_the_text(browser_page):
+    page, _, _, events = browser_page
+    title_en = page.inner_text("h1")
+    meaning_en = page.inner_text("li.step .meaning")
+    page.click("#lang-toggle")
+    try:
+        assert page.evaluate("document.documentElement.lang") == "zh"
+        assert page.inner_text("h1") == "多头注意力，逐步拆解" != title_en
+        assert page.inner_text("li.step .meaning") != meaning_en
+        assert page.title() == "多头注意力，逐步拆解"
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path=str(ARTIFACTS / "walkthrough-1280x800-zh.png"))
+    finally:
+        page.click("#lang-toggle")
+    assert page.inner_text("h1") == title_en
+    assert events["console_errors"] == []
+
+
+def test_phone_width_has_no_sideways_scroll(browser_page):
+    page, _, _, events = browser_page
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path=str(ARTIFACTS / "walkthrough-390x844.png"))
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        widths = page.eval_on_selector_all("li.step", "els => els.map(e => e.getBoundingClientRect().right)")
+        assert max(widths) <= 390
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 800})
+    assert events["console_errors"] == [] and events["requests"] == [page.url]
+
+
+def test_data_block_round_trips_in_the_browser(browser_page):
+    page, trace, maps, _ = browser_page
+    data = json.loads(page.eval_on_selector("#mh-data", "e => e.textContent"))
+    assert data["maps"][0]["q_tokens"] == TOKENS_Q
+    assert len(data["steps"]) == len(trace.steps)
+
+
+def test_maps_without_a_trace_or_scores(open_page):
+    """The shape real-model maps come in: tokens, weights only, no pipeline."""
+    import torch
+
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "because", "it", "was", "warm", "[SEP]"]
+    weights = torch.softmax(torch.randn(12, 12, 12, generator=torch.Generator().manual_seed(0)), dim=-1)
+    page, events, url = open_page(visual.render_html(None, [visual.HeadMaps(weights, tokens, tokens, "layer 2")]))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.is_hidden("#panel-scores") and page.is_visible("#no-scores")
+    assert page.locator(".thumb").count() == 12 and page.locator("li.step").count() == 0
+    page.select_option("#head-select", "11")
+    shown = _weights_shown(page)
+    assert shown == pytest.approx(weights[11].flatten().tolist(), abs=1e-6)
+    labels = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => [e.textContent, e.scrollWidth <= e.clientWidth])")
+    assert labels == [[t, True] for t in tokens]  # every row label shown whole
+
+
+def test_blocked_scores_given_as_minus_infinity(open_page):
+    import torch
+
+    scores = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(1))
+    scores = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(diagonal=1), float("-inf"))
+    maps = visual.HeadMaps(torch.softmax(scores, dim=-1), scores=scores)
+    page, events, url = open_page(visual.render_html(None, [maps]))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    cells = page.eval_on_selector_all("#heat-scores .cell", "els => els.map(e => e.textContent)")
+    assert cells[1] == cells[2] == cells[5] == "\u2212\u221e"
+    assert cells[0] == f"{scores[0, 0, 0].item():.1f}"
+    page.hover('#heat-scores .cell[data-q="0"][data-k="2"]')
+    assert page.inner_text("#tip").endswith("score: \u2212\u221e (blocked)")
