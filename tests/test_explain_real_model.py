@@ -67,7 +67,7 @@ def _grid(output):
     return cells
 
 
-def test_attention_for_text_returns_the_models_weights(real, tmp_path):
+def test_attention_for_text_returns_the_models_weights(real):
     tokens, w = real
     assert tokens == TOKENS
     assert w.shape == (6, 12, 15, 15) and w.dtype == torch.float32
