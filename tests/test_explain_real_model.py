@@ -165,6 +165,7 @@ def test_out_writes_the_same_text(tmp_path):
         (("--head", "12"), "--head 12 is out of range: all-MiniLM-L6-v2 has heads 0-11"),
         (("--text", "   "), "--text is empty"),
         (("--format", "json"), "--model prints text only"),
+        (("--cost",), "--cost belongs to the step-by-step walkthrough"),
         (("--text", "word " * 80), "--text has 82 tokens"),
     ],
 )

@@ -351,6 +351,9 @@ def run(args, stdout) -> int:
     fmt = getattr(args, "format", "text")
     if fmt != "text":
         raise UsageError(f"--model prints text only; drop --format {fmt}")
+    for flag, attr in (("--per-head", "per_head"), ("--cost", "cost")):
+        if getattr(args, attr, False):
+            raise UsageError(f"{flag} belongs to the step-by-step walkthrough, not to --model; drop it")
     missing = _missing_packages(info)
     if missing:
         raise UsageError(_t("missing", lang, model=args.model, missing=", ".join(missing), package=info.package))

@@ -128,11 +128,12 @@ def attention_forward(
         module: the calling attention layer (read: ``training``, ``is_causal``,
             ``num_key_value_groups``).
         query: (B, H, Lq, D).
-        key, value: (B, Hkv, Lk, D); Hkv divides H (GQA, no copies are made here).
+        key, value: (B, Hkv, Lk, D); Hkv divides H (GQA: passed to multihead as they are).
         attention_mask: see :func:`to_mask`.
         scaling: multiplies q·kᵀ (default 1/√D).
         dropout: attention dropout, applied only when ``module.training``.
-        is_causal: overrides ``module.is_causal`` when the mask is None.
+        is_causal: overrides ``module.is_causal`` when the mask is None (a module without
+            that attribute counts as causal, as in transformers' sdpa integration).
         kwargs: ``output_attentions=True`` returns the weights (reference backend); other
             entries (position ids, cache details) are not needed here.
 
