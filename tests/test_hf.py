@@ -338,3 +338,15 @@ def test_llama_model_on_multihead_matches_eager_with_and_without_padding():
         # padding queries 0-2 see no key (left padding + causal): 0 here; eager's rows are uniform
         # over all 8 keys, since every score plus finfo.min rounds to the same number
         assert (g[1, :, :3] == 0).all() and torch.allclose(w[1, :, :3], torch.full((4, 3, 8), 1 / 8))
+
+
+def test_from_hf_llama_refuses_what_multihead_cannot_express():
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      intermediate_size=96, num_hidden_layers=1, vocab_size=11)
+    attn = transformers.models.llama.modeling_llama.LlamaAttention(config, layer_idx=0)
+    with pytest.raises(ValueError, match="hidden size = heads x head dim"):
+        MultiHeadAttention.from_hf(attn)  # q_proj maps 64 -> 128
+    attn = _tiny_llama("eager").layers[0].self_attn
+    attn.scaling = 0.5
+    with pytest.raises(ValueError, match=r"scaling is 0.5, not 1/sqrt\(head_dim\) = 0.25"):
+        MultiHeadAttention.from_hf(attn)
