@@ -295,6 +295,13 @@ class MultiHeadAttention(nn.Module):
 
         return from_torch(m)
 
+    @classmethod
+    def from_hf(cls, module: nn.Module, *, output_dense: Optional[nn.Linear] = None) -> "MultiHeadAttention":
+        """Copy a Hugging Face ``BertAttention`` or ``LlamaAttention`` (see :func:`multihead.hf.from_hf`)."""
+        from .hf import from_hf
+
+        return from_hf(module, output_dense=output_dense)
+
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with the same weights (raises ValueError if it cannot express this module)."""
         from .interop import to_torch

@@ -1,0 +1,265 @@
+"""Loading Hugging Face attention weights into :class:`multihead.MultiHeadAttention`.
+
+Two families are understood, by the names of their submodules (no import of ``transformers``
+is needed here, so any module laid out the same way loads, e.g. RoBERTa, Mistral, Qwen2):
+
+==============  ==========================================  =====================================
+family          Hugging Face module                         becomes
+==============  ==========================================  =====================================
+BERT            ``BertAttention``: ``.self.query/key/value``  ``q_proj/k_proj/v_proj``,
+                and ``.output.dense``                         ``out_proj``
+Llama           ``LlamaAttention``: ``q_proj/k_proj/v_proj/``  the same names; H query heads,
+                ``o_proj`` (GQA: fewer k/v heads)             Hkv key/value heads
+==============  ==========================================  =====================================
+
+What stays outside the attention module, as in the model itself:
+
+* BERT: the residual and ``LayerNorm`` of ``BertSelfOutput`` (``LayerNorm(dense(attn) + x)``):
+  :class:`MultiHeadAttention` returns ``dense(attn)``, the input of that residual.
+* Llama: the rotary position embedding (RoPE), applied by ``LlamaAttention`` to Q and K after the
+  projections. ``MultiHeadAttention`` has no RoPE, so the loaded module equals ``LlamaAttention``
+  with the rotation at angle 0 (cos = 1, sin = 0); for real positions use the registered
+  ``attn_implementation="multihead"`` (:mod:`multihead.integrations.transformers`) instead,
+  which keeps the model's own RoPE.
+
+Weights are ``nn.Linear`` weights (out, in) in both libraries, so they are copied as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from ._checks import check_positive_int
+
+__all__ = ["from_hf", "from_bert_state_dict", "bert_layer_keys"]
+
+_SUPPORTED = (
+    "a BERT-family attention (BertAttention, with .self.query/.key/.value and .output.dense; "
+    "or BertSelfAttention with output_dense=) or a Llama-family attention (LlamaAttention, with "
+    ".q_proj/.k_proj/.v_proj/.o_proj)"
+)
+
+
+def _is_linear(m) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def _has_linears(module, names) -> bool:
+    return all(_is_linear(getattr(module, n, None)) for n in names)
+
+
+def _copy(lin: nn.Linear, weight: torch.Tensor, bias: Optional[torch.Tensor], name: str) -> None:
+    """Copy ``weight`` (out, in) and ``bias`` (out,) into ``lin``; a missing bias becomes 0."""
+    if tuple(weight.shape) != tuple(lin.weight.shape):
+        raise ValueError(
+            f"{name}.weight has shape {tuple(weight.shape)} but the module expects {tuple(lin.weight.shape)}; "
+            "check num_heads and the layer's sizes"
+        )
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if lin.bias is not None:
+            if bias is None:
+                lin.bias.zero_()
+            else:
+                if tuple(bias.shape) != tuple(lin.bias.shape):
+                    raise ValueError(
+                        f"{name}.bias has shape {tuple(bias.shape)} but the module expects {tuple(lin.bias.shape)}"
+                    )
+                lin.bias.copy_(bias)
+
+
+def _build(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dropout: float, training: bool):
+    """A MultiHeadAttention holding copies of ``linears`` = {"q_proj": (weight, bias), ...}."""
+    from .module import MultiHeadAttention
+
+    wq = linears["q_proj"][0]
+    d_out, d_in = wq.shape
+    wo = linears["out_proj"][0]
+    if tuple(wo.shape) != (d_out, d_out):
+        raise ValueError(
+            f"the output projection has shape {tuple(wo.shape)}; MultiHeadAttention needs it square "
+            f"({d_out}, {d_out}) = (H*D, H*D), i.e. hidden size = heads x head dim"
+        )
+    if d_in != d_out:
+        raise ValueError(
+            f"the query projection maps {d_in} features to {d_out}; MultiHeadAttention needs "
+            "hidden size = heads x head dim"
+        )
+    has_bias = any(b is not None for _, b in linears.values())
+    mha = MultiHeadAttention(
+        d_in, num_heads, d_out, num_kv_heads=num_kv_heads, bias=has_bias, dropout=dropout, causal=causal,
+        device=wq.device, dtype=wq.dtype,
+    )
+    for name, (w, b) in linears.items():
+        _copy(getattr(mha, name), w, b, name)
+    mha.train(training)
+    return mha
+
+
+def _linear_pair(lin: nn.Linear):
+    return lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+
+
+def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None):
+    """A :class:`multihead.MultiHeadAttention` with the weights of a Hugging Face attention module.
+
+    Args:
+        module: ``BertAttention`` (or anything with ``.self.{query,key,value}`` and
+            ``.output.dense``), ``BertSelfAttention`` together with ``output_dense``, or
+            ``LlamaAttention`` (anything with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``).
+        output_dense: the output projection, only for a bare ``BertSelfAttention``
+            (``layer.attention.output.dense``).
+
+    Returns:
+        A module computing ``out_proj(attention(x))``: (B, L, hidden) -> (B, L, hidden). For BERT
+        that is the input of ``BertSelfOutput``'s residual + LayerNorm; for Llama it equals
+        ``LlamaAttention`` with RoPE at angle 0 (see the module docstring). Causality, dropout and
+        training mode are taken from ``module``.
+
+    Raises:
+        TypeError: ``module`` is not one of the supported layouts.
+        ValueError: sizes the module cannot express (hidden size != heads x head dim, a scaling
+            other than 1/√D).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"from_hf takes a torch.nn.Module, got {type(module).__name__}; pass {_SUPPORTED}")
+    if _has_linears(getattr(module, "self", None), ("query", "key", "value")):
+        self_attn = module.self
+        dense = getattr(getattr(module, "output", None), "dense", None)
+        if not _is_linear(dense):
+            raise TypeError(f"{type(module).__name__}.output.dense is not an nn.Linear; pass {_SUPPORTED}")
+        if output_dense is not None:
+            raise ValueError("output_dense is only for a bare BertSelfAttention; a BertAttention has its own")
+        return _from_bert(self_attn, dense, training=module.training)
+    if _has_linears(module, ("query", "key", "value")):
+        if not _is_linear(output_dense):
+            raise ValueError(
+                f"{type(module).__name__} has no output projection: pass output_dense=layer.attention.output.dense, "
+                "or pass the BertAttention (layer.attention) itself"
+            )
+        return _from_bert(module, output_dense, training=module.training)
+    if _has_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj")):
+        if output_dense is not None:
+            raise ValueError("output_dense is only for a bare BertSelfAttention; this module has o_proj")
+        return _from_llama(module)
+    raise TypeError(f"from_hf got {type(module).__name__}, which it does not know; pass {_SUPPORTED}")
+
+
+def _check_scaling(module, head_dim: int) -> None:
+    scaling = getattr(module, "scaling", None)
+    if scaling is not None and abs(float(scaling) - head_dim ** -0.5) > 1e-12 * head_dim ** -0.5:
+        raise ValueError(
+            f"{type(module).__name__}.scaling is {scaling}, not 1/sqrt(head_dim) = {head_dim ** -0.5}; "
+            "MultiHeadAttention always scales by 1/sqrt(head_dim)"
+        )
+
+
+def _from_bert(self_attn: nn.Module, dense: nn.Linear, *, training: bool):
+    num_heads = getattr(self_attn, "num_attention_heads", None)
+    if not isinstance(num_heads, int):
+        raise TypeError(f"{type(self_attn).__name__} has no integer num_attention_heads; pass {_SUPPORTED}")
+    d_out = self_attn.query.weight.shape[0]
+    _check_scaling(self_attn, d_out // num_heads)
+    dropout = getattr(getattr(self_attn, "dropout", None), "p", 0.0)
+    linears = {
+        "q_proj": _linear_pair(self_attn.query),
+        "k_proj": _linear_pair(self_attn.key),
+        "v_proj": _linear_pair(self_attn.value),
+        "out_proj": _linear_pair(dense),
+    }
+    causal = bool(getattr(self_attn, "is_causal", False))
+    return _build(linears, num_heads=num_heads, num_kv_heads=num_heads, causal=causal, dropout=dropout,
+                  training=training)
+
+
+def _from_llama(module: nn.Module):
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise TypeError(f"{type(module).__name__} has no integer head_dim; pass {_SUPPORTED}")
+    q_out = module.q_proj.weight.shape[0]
+    kv_out = module.k_proj.weight.shape[0]
+    if q_out % head_dim or kv_out % head_dim:
+        raise ValueError(
+            f"q_proj has {q_out} and k_proj {kv_out} outputs, not multiples of head_dim={head_dim}"
+        )
+    _check_scaling(module, head_dim)
+    linears = {
+        "q_proj": _linear_pair(module.q_proj),
+        "k_proj": _linear_pair(module.k_proj),
+        "v_proj": _linear_pair(module.v_proj),
+        "out_proj": _linear_pair(module.o_proj),
+    }
+    dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+    return _build(linears, num_heads=q_out // head_dim, num_kv_heads=kv_out // head_dim,
+                  causal=bool(getattr(module, "is_causal", True)), dropout=dropout, training=module.training)
+
+
+# ---------------------------------------------------------------------------- state dicts
+_LAYER_RE = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+_BERT_NAMES = (
+    ("q_proj", "attention.self.query"),
+    ("k_proj", "attention.self.key"),
+    ("v_proj", "attention.self.value"),
+    ("out_proj", "attention.output.dense"),
+)
+
+
+def bert_layer_keys(layer: int, prefix: str = "") -> list[str]:
+    """The eight state-dict names of layer ``layer``'s attention, e.g.
+    ``encoder.layer.0.attention.self.query.weight``; ``prefix`` is ``""`` or ``"bert."``."""
+    return [f"{prefix}encoder.layer.{layer}.{name}.{p}" for _, name in _BERT_NAMES for p in ("weight", "bias")]
+
+
+def from_bert_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    layer: int,
+    num_heads: int,
+    *,
+    prefix: Optional[str] = None,
+    dropout: float = 0.0,
+):
+    """The attention of BERT layer ``layer`` from a state dict (e.g. ``safetensors.torch.load_file``).
+
+    Args:
+        state_dict: names -> tensors, with ``encoder.layer.{i}.attention.self.{query,key,value}``
+            and ``encoder.layer.{i}.attention.output.dense`` (``.weight`` (out, in), ``.bias``).
+        layer: i, 0-based.
+        num_heads: H (``num_attention_heads`` in the model's config.json; weights cannot tell it).
+        prefix: the names' prefix; by default ``""`` or ``"bert."``, whichever the dict has.
+        dropout: attention dropout of the returned module (used in training mode only).
+
+    Returns:
+        A :class:`MultiHeadAttention` in eval mode, (B, L, hidden) -> (B, L, hidden): the input of
+        the layer's residual + LayerNorm.
+
+    Raises:
+        ValueError: missing names (listed), or sizes that do not fit ``num_heads``.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}; "
+            "read a file with safetensors.torch.load_file(path)"
+        )
+    layer = check_positive_int(layer, "layer", allow_zero=True)
+    num_heads = check_positive_int(num_heads, "num_heads")
+    if prefix is None:
+        candidates = ("", "bert.")
+        prefix = next((p for p in candidates if all(k in state_dict for k in bert_layer_keys(layer, p))), "")
+    missing = [k for k in bert_layer_keys(layer, prefix) if k not in state_dict]
+    if missing:
+        layers = sorted({int(m.group(1)) for k in state_dict if (m := _LAYER_RE.search(k))})
+        have = f"the dict has layers {layers}" if layers else "the dict has no encoder.layer.* names"
+        raise ValueError(f"state_dict lacks {', '.join(missing)} ({have}; prefix={prefix!r})")
+    linears = {}
+    for ours, name in _BERT_NAMES:
+        base = f"{prefix}encoder.layer.{layer}.{name}"
+        linears[ours] = (state_dict[f"{base}.weight"], state_dict[f"{base}.bias"])
+    d_out = linears["q_proj"][0].shape[0]
+    if d_out % num_heads:
+        raise ValueError(f"the query projection has {d_out} outputs, not a multiple of num_heads={num_heads}")
+    return _build(linears, num_heads=num_heads, num_kv_heads=num_heads, causal=False, dropout=dropout,
+                  training=False)

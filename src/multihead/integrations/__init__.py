@@ -1,0 +1,4 @@
+"""Bridges to other libraries; each submodule imports its library only when used.
+
+* :mod:`multihead.integrations.transformers` -- run Hugging Face models on ``multihead.attention``.
+"""

@@ -1,0 +1,168 @@
+"""Run Hugging Face ``transformers`` models on ``multihead.attention``.
+
+::
+
+    from multihead.integrations.transformers import register
+    register()                                            # once per process
+    model = AutoModel.from_pretrained(path, attn_implementation="multihead")
+
+``register()`` adds two entries named ``"multihead"``:
+
+* to ``transformers.AttentionInterface``: :func:`attention_forward`, called by every attention
+  layer with q (B, H, Lq, D), k and v (B, Hkv, Lk, D), the mask, the scaling and the dropout,
+  like ``eager_attention_forward``; it returns ``(out (B, Lq, H, D), weights (B, H, Lq, Lk) or None)``.
+* to ``transformers.masking_utils.AttentionMaskInterface``: transformers' ``sdpa_mask``, so the
+  model builds boolean masks with True = may attend (multihead's convention, no conversion) and
+  passes ``None`` plus ``module.is_causal`` when a causal mask without padding can be skipped.
+  Without a mask entry transformers would build no mask at all and padding would be attended.
+
+What :func:`to_mask` accepts (what transformers passes, or a user's own 4-D mask):
+
+==========================  =====================================================================
+mask                        becomes
+==========================  =====================================================================
+None, causal module, Lq>1   ``masks.causal(align="top_left")`` (the rule of SDPA's ``is_causal``,
+                            which transformers relies on when it skips the mask)
+None otherwise              no mask
+bool (B|1, 1|H, Lq, Lk)     ``masks.keep(mask)`` (True = may attend, as in transformers' sdpa)
+float, additive             entries ≤ finfo(dtype).min / 2 (eager's ``finfo.min``, or -inf) block
+                            the key (``masks.keep``); any other non-zero entries are a
+                            ``masks.bias`` added to the scores
+==========================  =====================================================================
+
+Rows with no visible key. Eager attention fills blocked scores with ``finfo(dtype).min``; a row
+where every key is blocked then becomes uniform (each score plus ``finfo.min`` rounds to the same
+number) and the output is the mean of all values. multihead defines such a row as output 0 and
+weights 0. On a row with at least one visible key the two agree exactly: ``exp(finfo.min)`` is
+0, so the blocked keys get weight 0 in eager too. Encoders (BERT) never produce such rows (the
+padding mask blocks keys, not queries: a padding query still sees the real tokens), so their
+hidden states match eager on every position, padding included; a decoder with left padding
+and a causal mask has them on its padding positions only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import masks as _masks
+from ..functional import attention, attention_with_weights
+
+__all__ = ["NAME", "register", "attention_forward", "to_mask"]
+
+NAME = "multihead"
+
+_INSTALL = 'transformers is not installed; install it with: pip install "multihead[hf]"'
+
+
+def register(name: str = NAME, *, backend: str = "auto") -> str:
+    """Register :func:`attention_forward` with transformers under ``name``; returns ``name``.
+
+    ``backend`` picks the multihead backend for calls without ``output_attentions``
+    (calls that return weights always run the ``reference`` backend). Registering again
+    replaces the earlier entry.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:  # pragma: no cover - exercised only without transformers
+        raise ImportError(_INSTALL) from e
+    from ..backends import names
+
+    if backend not in names():
+        raise ValueError(f"backend must be one of {names()}, got {backend!r}")
+    AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def to_mask(attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_causal: bool) -> Optional[_masks.Mask]:
+    """A multihead mask from what transformers passes to an attention function (table above).
+
+    ``attention_mask`` is None, bool or float, of shape (B or 1, 1 or H, Lq, Lk') with Lk' >= Lk
+    (a static cache's mask may be longer than the keys; it is cut to the first Lk columns).
+    """
+    if attention_mask is None:
+        return _masks.causal(align="top_left") if is_causal and lq > 1 else None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}; "
+            "flex-attention BlockMasks are not supported by multihead"
+        )
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape[-1] > lk:
+        attention_mask = attention_mask[..., :lk]
+    if attention_mask.dtype == torch.bool:
+        return _masks.keep(attention_mask)
+    if not attention_mask.is_floating_point():
+        raise TypeError(f"attention_mask must be bool or float, got {attention_mask.dtype}")
+    blocked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
+    mask = _masks.keep(~blocked)
+    rest = attention_mask.masked_fill(blocked, 0)
+    if bool(rest.ne(0).any()):
+        mask = mask & _masks.bias(rest)
+    return mask
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    is_causal: Optional[bool] = None,
+    *,
+    backend: str = "auto",
+    **kwargs,
+):
+    """transformers' attention-function signature, computed by :func:`multihead.attention`.
+
+    Args:
+        module: the calling attention layer (read: ``training``, ``is_causal``,
+            ``num_key_value_groups``).
+        query: (B, H, Lq, D).
+        key, value: (B, Hkv, Lk, D); Hkv divides H (GQA: passed to multihead as they are).
+        attention_mask: see :func:`to_mask`.
+        scaling: multiplies q·kᵀ (default 1/√D).
+        dropout: attention dropout, applied only when ``module.training``.
+        is_causal: overrides ``module.is_causal`` when the mask is None (a module without
+            that attribute counts as causal, as in transformers' sdpa integration).
+        kwargs: ``output_attentions=True`` returns the weights (reference backend); other
+            entries (position ids, cache details) are not needed here.
+
+    Returns:
+        ``(out, weights)``: out (B, Lq, H, D), weights (B, H, Lq, Lk) or None.
+    """
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {unsupported}=, which multihead attention does not implement; "
+                'use attn_implementation="eager" for this model'
+            )
+    H, Hkv = query.shape[1], key.shape[1]
+    groups = getattr(module, "num_key_value_groups", None)
+    if groups is not None and Hkv * groups != H:
+        raise ValueError(
+            f"{type(module).__name__}.num_key_value_groups={groups} but q has H={H} heads and k has Hkv={Hkv}"
+        )
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(is_causal))
+    dropout_p = float(dropout) if module.training else 0.0
+    config = getattr(module, "config", None)
+    want_weights = kwargs.get("output_attentions")
+    if want_weights is None:
+        want_weights = getattr(config, "output_attentions", False)
+    if want_weights:
+        out, weights = attention_with_weights(query, key, value, mask, scale=scaling, dropout_p=dropout_p)
+    else:
+        out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout_p, backend=backend)
+        weights = None
+    return out.transpose(1, 2).contiguous(), weights

