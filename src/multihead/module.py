@@ -32,6 +32,9 @@ from .heads import merge_heads, split_heads
 
 __all__ = ["MultiHeadAttention"]
 
+_FUSED_QKV = "one product with the concatenated weights [W_q; W_k; W_v]"
+_FUSED_KV = "K and V: one product with [W_k; W_v]"
+
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, batch-first, with GQA, cross-attention and typed masks.
@@ -137,20 +140,21 @@ class MultiHeadAttention(nn.Module):
         if key is query and value is query:
             w, b = self._fused(("q_proj", "k_proj", "v_proj"))
             q, k, v = F.linear(query, w, b).split(sizes, dim=-1)
-            note = "one product with the concatenated weights [W_q; W_k; W_v]"
+            fused = {"Q": _FUSED_QKV, "K": _FUSED_QKV, "V": _FUSED_QKV}
         else:
             q = F.linear(query, self.q_proj.weight, self.q_proj.bias)
             if value is key and cfg.kdim == cfg.vdim:
                 w, b = self._fused(("k_proj", "v_proj"))
                 k, v = F.linear(key, w, b).split(sizes[1:], dim=-1)
-                note = "K and V: one product with [W_k; W_v]"
+                fused = {"K": _FUSED_KV, "V": _FUSED_KV}
             else:
                 k = F.linear(key, self.k_proj.weight, self.k_proj.bias)
                 v = F.linear(value, self.v_proj.weight, self.v_proj.bias)
-                note = ""
+                fused = {}
         if tr is not None:
             for name, t, lin, src in (("Q", q, self.q_proj, query), ("K", k, self.k_proj, key), ("V", v, self.v_proj, value)):
                 checks = {}
+                note = fused.get(name, "")
                 if note:  # the seeds' claim: one product with stacked weights = separate products
                     separate = F.linear(src, lin.weight, lin.bias)
                     checks["equals its own separate product"] = torch.allclose(t, separate, rtol=1e-4, atol=1e-5)
