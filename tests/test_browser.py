@@ -19,6 +19,7 @@ import pytest
 
 from multihead.cli import build_parser
 from multihead.explain import visual
+from multihead.explain.example import ExampleConfig, trace_example
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_ARGS = [
@@ -51,7 +52,7 @@ def browser_page(tmp_path_factory):
     args = build_parser().parse_args(
         ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
     )
-    trace = visual._example_trace(args)
+    trace = trace_example(ExampleConfig.from_args(args))
     maps = visual.head_maps_from_trace(trace, q_tokens=TOKENS_Q, k_tokens=TOKENS_K)
     tmp = tmp_path_factory.mktemp("browser")
     page_path = tmp / "walkthrough.html"

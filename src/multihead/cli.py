@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _explain(args, stdout) -> int:
-    if args.model is not None:
+    if args.model is not None and args.format in ("html", "png"):
+        from .explain.real_model import run_visual as run
+    elif args.model is not None:
         from .explain.real_model import run
     elif args.format in ("html", "png"):
         from .explain.visual import run
