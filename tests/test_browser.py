@@ -209,6 +209,7 @@ def test_maps_without_a_trace_or_scores(open_page):
     page, events, url = open_page(visual.render_html(None, [visual.HeadMaps(weights, tokens, tokens, "layer 2")]))
     assert events["console_errors"] == [] and events["requests"] == [url]
     assert page.is_hidden("#panel-scores") and page.is_visible("#no-scores")
+    assert page.is_hidden("#panel-mask")  # no mask given: no all-ones panel
     assert page.locator(".thumb").count() == 12 and page.locator("li.step").count() == 0
     page.select_option("#head-select", "11")
     shown = _weights_shown(page)
@@ -242,6 +243,7 @@ def test_real_model_page_switches_heads_and_layers(open_page):
     maps = real_model.layer_maps(tokens, weights, text=real_model.DEFAULT_TEXT)
     page, events, url = open_page(visual.render_html(None, maps, group="layer", start=0, head=2))
     assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.is_hidden("#panel-scores") and page.is_hidden("#panel-mask") and page.is_visible("#panel-weights")
     assert page.eval_on_selector("#batch-select", "e => e.value") == "0"
     assert page.inner_text("#head-label") == "previous token 1.00" == maps[0].head_label(2)
     assert _weights_shown(page) == pytest.approx(weights[0, 2].flatten().tolist(), abs=1e-6)

@@ -116,7 +116,8 @@
     document.getElementById("panel-scores").hidden = !map.scores;
     document.getElementById("no-scores").hidden = !!map.scores;
     put("heat-scores", map.scores ? heat("scores", map, h, true) : el("div"));
-    put("heat-mask", heat("mask", map, h, true));
+    document.getElementById("panel-mask").hidden = !map.keep; // a source without a mask: nothing to show
+    put("heat-mask", map.keep ? heat("mask", map, h, true) : el("div"));
     put("heat-weights", heat("weights", map, h, true));
     var heads = document.getElementById("all-heads");
     heads.textContent = "";
