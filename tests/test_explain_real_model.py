@@ -28,7 +28,6 @@ from multihead.explain.real_model import (  # noqa: E402
     default_layer,
     display_width,
     label_heads,
-    layer_maps,
     pattern_scores,
 )
 

@@ -149,7 +149,7 @@ def test_every_step_has_a_meaning_in_both_languages(pages):
                 meaning = describe_step(step, lang, sizes)
                 assert meaning and shown["meaning"][lang] == meaning, (step.label, lang)
                 assert shown["title"][lang] == step_title(step.name, step.role, lang)
-                assert f'<p class="meaning">' in page and html.escape(meaning) in page
+                assert html.escape(meaning) in page
     assert step_meaning("padding & causal mask", "zh", kinds="")  # any combination of mask kinds
 
 
