@@ -251,6 +251,12 @@ def test_head_maps_validate_their_inputs():
         HeadMaps(w, scores=torch.rand(2, 3, 3))
     with pytest.raises(ValueError, match=r"\(H, Lq, Lk\)"):
         HeadMaps(torch.rand(3, 4))
+    with pytest.raises(ValueError, match=r"head_labels\['zh'\] has 1 labels but the weights have 2 heads"):
+        HeadMaps(w, head_labels={"en": ["a", "b"], "zh": ["甲"]})
+    with pytest.raises(ValueError, match="head_labels must map 'en'"):
+        HeadMaps(w, head_labels={"zh": ["甲", "乙"]})
+    labelled = HeadMaps(w, head_labels={"en": ["a", "b"]})
+    assert (labelled.head_label(1), labelled.head_label(1, "zh"), HeadMaps(w).head_label(0)) == ("b", "b", "")
 
 
 def test_head_maps_need_a_reference_trace_with_values():
@@ -364,6 +370,12 @@ def test_page_data_rejects_unknown_language_and_empty_maps():
         visual.page_data(None, [HeadMaps(weights)], lang="fr")
     with pytest.raises(ValueError, match="maps is empty"):
         visual.page_data(None, [])
+    with pytest.raises(ValueError, match="group must be one of"):
+        visual.page_data(None, [HeadMaps(weights)], group="head")
+    with pytest.raises(ValueError, match=r"start must index maps \(0 to 0\), got 1"):
+        visual.page_data(None, [HeadMaps(weights)], start=1)
+    with pytest.raises(ValueError, match="head must be 0 to 0, got 1"):
+        visual.page_data(None, [HeadMaps(weights)], head=1)
 
 
 def test_keep_follows_a_user_mask_and_a_minus_infinity_bias():
