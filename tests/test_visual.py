@@ -17,8 +17,9 @@ from multihead import Trace
 from multihead.cli import build_parser, main
 from multihead.explain import visual
 from multihead.explain.visual import HeadMaps, head_maps_from_trace, render_html, step_kind
+from multihead.explain.example import ExampleConfig, trace_example
+from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_meaning, step_title, trace_sizes
 from multihead.explain.visual_svg import axis_sizes, parse_pattern, step_svg
-from multihead.explain.visual_text import LANGS, meaning
 
 CONFIGS = {
     "default": [],
@@ -29,6 +30,11 @@ CONFIGS = {
 
 def _args(extra, fmt="html", out="x"):
     return build_parser().parse_args(["explain", "--format", fmt, "--out", str(out), *extra])
+
+
+def _trace(extra, fmt="html"):
+    """The trace the CLI draws for these options: the walkthrough's example."""
+    return trace_example(ExampleConfig.from_args(_args(extra, fmt)))
 
 
 def _json_block(page: str) -> dict:
@@ -52,7 +58,7 @@ def pages(tmp_path_factory):
         rc, out, err = _cli(["explain", "--format", "html", "--out", str(path), *extra])
         assert (rc, err) == (0, "")
         assert str(path) in out
-        result[name] = (path.read_text(encoding="utf-8"), visual._example_trace(_args(extra)))
+        result[name] = (path.read_text(encoding="utf-8"), _trace(extra))
     return result
 
 
@@ -81,7 +87,11 @@ def test_html_has_every_step_with_its_shape_and_kind(pages, name):
     assert page.count('<div class="figure" role="img"') == len(trace.steps)
     assert f'<code id="backend">{trace.config["backend"]}</code>' in page
     for check, ok in trace.checks.items():
-        assert f'<span class="mark">{"✓" if ok else "✗"}</span> {html.escape(check)}</li>' in page
+        assert f'<span class="mark">{"✓" if ok else "✗"}</span> <span data-l="en" lang="en">{html.escape(check)}</span>' in page
+    for step in trace.steps:  # every check also in Chinese, after its English text
+        for name, ok in step.checks.items():
+            zh = f"{step_title(step.name, step.role, 'zh')}: {check_name(name, 'zh')}"
+            assert f'{html.escape(step.label)}: {html.escape(name)}</span><span data-l="zh" lang="zh">{html.escape(zh)}</span></li>' in page
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -132,11 +142,44 @@ def test_gqa_page_shows_one_map_per_query_head_and_the_repeat_is_a_copy(pages):
 
 
 def test_every_step_has_a_meaning_in_both_languages(pages):
-    for _, trace in pages.values():
-        for step in trace.steps:
-            texts = meaning(step.name)
-            assert all(texts[lang] for lang in LANGS), step.name
-    assert meaning("key_padding & causal mask") == meaning("causal mask")
+    for page, trace in pages.values():
+        sizes = trace_sizes(trace)
+        for step, shown in zip(trace.steps, _json_block(page)["steps"]):
+            for lang in LANGS:
+                meaning = describe_step(step, lang, sizes)
+                assert meaning and shown["meaning"][lang] == meaning, (step.label, lang)
+                assert shown["title"][lang] == step_title(step.name, step.role, lang)
+                assert html.escape(meaning) in page
+    assert step_meaning("padding & causal mask", "zh", kinds="")  # any combination of mask kinds
+
+
+def test_page_and_text_walkthrough_tell_the_same_pass_in_the_same_words(pages):
+    """Same seed draw order, same step texts: the JSON walkthrough and the page agree."""
+    page, _ = pages["gqa-cross"]
+    rc, out, err = _cli(["explain", "--format", "json", "--lang", "zh", *CONFIGS["gqa-cross"]])
+    assert (rc, err) == (0, "")
+    text = json.loads(out)
+    data = _json_block(page)
+    for got, want in zip(data["steps"], text["steps"]):
+        assert got["title"]["zh"] == want["title"]
+        assert want["meaning"].startswith(got["meaning"]["zh"])  # the text adds the stacked-weights note once
+    softmax = next(s for s in text["steps"] if s["name"] == "softmax")
+    shown_in_text = torch.tensor(softmax["values"][0]["matrix"], dtype=torch.float32)  # batch 0, head 0
+    assert torch.equal(shown_in_text, torch.tensor(data["maps"][0]["weights"][0], dtype=torch.float32))
+
+
+def test_notes_are_localised_and_the_code_ones_kept(pages):
+    page, trace = pages["no-causal-dropout"]
+    scale, dropout = trace.step("scale"), trace.step("dropout")
+    for step in (scale, dropout):
+        zh = note_text(step.note, "zh")
+        assert zh and zh != step.note
+        assert f'<p class="note"><span data-l="en" lang="en">{html.escape(step.note)}</span><span data-l="zh" lang="zh">{html.escape(zh)}</span></p>' in page
+    assert "D = 4 时即 1/√D" in note_text(scale.note, "zh")
+    gqa_page, gqa = pages["gqa-cross"]
+    mask = gqa.step("causal mask")  # a mask's repr is code: the same in both languages
+    assert note_text(mask.note, "zh") == ""
+    assert f'<span data-l="zh" lang="zh">{html.escape(mask.note)}</span></p>' in gqa_page
 
 
 def test_lang_sets_the_initial_language_and_both_texts_are_present(tmp_path):
@@ -192,7 +235,7 @@ def test_step_drawings_carry_axis_names_and_sizes_and_mark_views(pages):
 
 
 def test_step_kinds():
-    trace = visual._example_trace(_args([]))
+    trace = _trace([])
     kinds = {s.label: step_kind(s) for s in trace.steps}
     assert kinds["split heads Q"] == kinds["move heads forward K"] == kinds["move heads back"] == "view"
     assert kinds["merge heads"] == "copy"
@@ -208,6 +251,12 @@ def test_head_maps_validate_their_inputs():
         HeadMaps(w, scores=torch.rand(2, 3, 3))
     with pytest.raises(ValueError, match=r"\(H, Lq, Lk\)"):
         HeadMaps(torch.rand(3, 4))
+    with pytest.raises(ValueError, match=r"head_labels\['zh'\] has 1 labels but the weights have 2 heads"):
+        HeadMaps(w, head_labels={"en": ["a", "b"], "zh": ["甲"]})
+    with pytest.raises(ValueError, match="head_labels must map 'en'"):
+        HeadMaps(w, head_labels={"zh": ["甲", "乙"]})
+    labelled = HeadMaps(w, head_labels={"en": ["a", "b"]})
+    assert (labelled.head_label(1), labelled.head_label(1, "zh"), HeadMaps(w).head_label(0)) == ("b", "b", "")
 
 
 def test_head_maps_need_a_reference_trace_with_values():
@@ -236,7 +285,7 @@ needs_matplotlib = pytest.mark.skipif(
 def test_png_figure_has_one_panel_per_head_with_the_weights(heads, rows, cols):
     from multihead.explain.visual_png import heads_figure
 
-    trace = visual._example_trace(_args(["--heads", str(heads), "--d-out", str(2 * heads)]))
+    trace = _trace(["--heads", str(heads), "--d-out", str(2 * heads)])
     tokens = ["the", "$cat", "sat"]
     maps = head_maps_from_trace(trace, q_tokens=tokens, k_tokens=tokens)[0]
     fig = heads_figure(maps)
@@ -266,7 +315,7 @@ def test_png_cli_writes_the_figure(tmp_path):
     rc, out, err = _cli(["explain", "--format", "png", "--heads", "4", "--out", str(path)])
     assert (rc, err) == (0, "")
     image = imread(path)
-    fig = heads_figure(head_maps_from_trace(visual._example_trace(_args(["--heads", "4"], "png")))[0])
+    fig = heads_figure(head_maps_from_trace(_trace(["--heads", "4"], "png"))[0])
     width, height = (fig.get_size_inches() * fig.dpi).round().astype(int)
     assert image.shape[:2] == (height, width)
     assert image[..., :3].std() > 0.05  # not a blank canvas
@@ -321,6 +370,12 @@ def test_page_data_rejects_unknown_language_and_empty_maps():
         visual.page_data(None, [HeadMaps(weights)], lang="fr")
     with pytest.raises(ValueError, match="maps is empty"):
         visual.page_data(None, [])
+    with pytest.raises(ValueError, match="group must be one of"):
+        visual.page_data(None, [HeadMaps(weights)], group="head")
+    with pytest.raises(ValueError, match=r"start must index maps \(0 to 0\), got 1"):
+        visual.page_data(None, [HeadMaps(weights)], start=1)
+    with pytest.raises(ValueError, match="head must be 0 to 0, got 1"):
+        visual.page_data(None, [HeadMaps(weights)], head=1)
 
 
 def test_keep_follows_a_user_mask_and_a_minus_infinity_bias():

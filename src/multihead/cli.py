@@ -90,13 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     real = ex.add_argument_group("real model")
     real.add_argument("--model", choices=("minilm",), default=None, help="explain a pretrained model's heads")
     real.add_argument("--text", default=None, help="the sentence to run through --model")
-    real.add_argument("--layer", type=_non_negative("--layer"), default=None, help="layer to show (--model)")
+    real.add_argument("--layer", type=_non_negative("--layer"), default=None, help="layer to show (--model; html/png default: the most labelled layer)")
     real.add_argument("--head", type=_non_negative("--head"), default=None, help="head to show (--model)")
     return parser
 
 
 def _explain(args, stdout) -> int:
-    if args.model is not None:
+    if args.model is not None and args.format in ("html", "png"):
+        from .explain.real_model import run_visual as run
+    elif args.model is not None:
         from .explain.real_model import run
     elif args.format in ("html", "png"):
         from .explain.visual import run

@@ -24,10 +24,11 @@ from typing import Optional
 import torch
 
 from .._checks import check_dropout, check_positive_int
+from ..cli import UsageError
 from ..module import MultiHeadAttention
 from ..trace import Trace, trace
 
-__all__ = ["ExampleConfig", "build_example", "trace_example"]
+__all__ = ["ExampleConfig", "build_example", "config_from_args", "trace_example"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,27 @@ class ExampleConfig:
         args.append('backend="reference"')
         call = "mha(x, memory)" if self.keys is not None else "mha(x)"
         return f"mha = MultiHeadAttention({', '.join(args)}); y = {call}"
+
+
+def config_from_args(args) -> ExampleConfig:
+    """The example config of the parsed ``multihead explain`` options, checked before any work:
+    a size the module refuses raises :class:`multihead.cli.UsageError` naming the options."""
+    if args.d_out % args.heads:
+        raise UsageError(
+            f"--heads {args.heads} does not divide --d-out {args.d_out}: choose --d-out as a multiple "
+            f"of --heads (each head gets d_out / heads features)"
+        )
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        raise UsageError(
+            f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each key/value head "
+            "must serve the same number of query heads"
+        )
+    try:
+        config = ExampleConfig.from_args(args)
+        build_example(config)  # the module validates everything else: fail before any output
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    return config
 
 
 def build_example(config: ExampleConfig = ExampleConfig()) -> tuple[MultiHeadAttention, tuple]:

@@ -10,6 +10,8 @@ D, g (query heads per key/value head), F (features being split), scale, p (dropo
 
 from __future__ import annotations
 
+import re
+
 LANGS = ("en", "zh")
 
 _ROLE = {
@@ -143,6 +145,14 @@ _NOTES = {
         "K 和 V 由一次矩阵乘法（拼接的权重 [W_k; W_v]）得到，再切开。",
     ),
 }
+
+# notes recorded with numbers in them: (pattern over the English note, Chinese template)
+_NOTE_TEMPLATES = (
+    (re.compile(r"× (?P<s>\S+) \(1/√D when D = (?P<D>\d+)\)"), "× {s}（D = {D} 时即 1/√D）"),
+    (re.compile(r"p = (?P<p>\S+); kept weights scaled by 1/\(1-p\)"), "p = {p}；保留的权重乘以 1/(1-p)"),
+    (re.compile(r"each key/value head serves (?P<g>\d+) query heads"), "每个键/值头服务 {g} 个查询头"),
+    (re.compile(r"W_O mixes the heads"), "W_O 融合各头的结果"),
+)
 
 _CHECKS = {
     "equals its own separate product": "与单独计算的矩阵乘积相同",
@@ -317,9 +327,54 @@ def step_meaning(name: str, lang: str, **sizes) -> str:
     return _pick(_MEANINGS[key], lang).format(**sizes)
 
 
+def trace_sizes(trace) -> dict:
+    """The numbers the step meanings are written with, read from a module's trace.
+
+    ``trace``: a :class:`multihead.Trace` of ``MultiHeadAttention`` with the attention steps
+    (reference backend). B, Lq from the input step (B, Lq, d_in); Lk from the scores (B, H, Lq, Lk);
+    the rest from the module's config that the trace recorded.
+    """
+    cfg = trace.config
+    B, Lq = trace.step("input").shape[:2]
+    Lk = trace.step("scores QKᵀ").shape[-1]
+    H, Hkv, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    return dict(
+        B=B, Lq=Lq, Lk=Lk, d_in=cfg["d_in"], kdim=cfg["kdim"], d_out=cfg["d_out"], kv_dim=Hkv * D,
+        H=H, Hkv=Hkv, D=D, g=H // Hkv, scale=f"{D ** -0.5:.4g}", p=cfg["dropout"],
+    )
+
+
+def describe_step(step, lang: str, sizes: dict) -> str:
+    """:func:`step_meaning` of a recorded step, told for that step: a head split says which
+    features it cuts (Q's d_out or K/V's kv_dim), a causal mask with Lq != Lk says how it is aligned.
+
+    ``sizes``: :func:`trace_sizes`. The step's note is not included (see :func:`note_text`).
+    """
+    if step.name == "split heads":
+        kv = step.role in ("K", "V")
+        sizes = dict(sizes, F=sizes["kv_dim"] if kv else sizes["d_out"], h=sizes["Hkv"] if kv else sizes["H"])
+    text = step_meaning(step.name, lang, **sizes)
+    if step.name == "causal mask" and sizes["Lq"] != sizes["Lk"]:
+        off = sizes["Lk"] - sizes["Lq"]
+        shift = f"i {'+' if off > 0 else '-'} {abs(off)}"
+        extra = word("causal_offset", lang, Lq=sizes["Lq"], Lk=sizes["Lk"], shift=shift)
+        text = f"{text} {extra}" if lang == "en" else text + extra
+    return text
+
+
 def note_text(note: str, lang: str) -> str:
-    """The localised form of a note the forward pass recorded, or "" when it has none."""
-    return _pick(_NOTES[note], lang) if note in _NOTES else ""
+    """The localised form of a note the forward pass recorded, or "" when it has none.
+
+    Notes with numbers in them ("× 0.3536 (1/√D when D = 8)") are matched by their pattern;
+    in English they read as recorded. Notes that are code (a mask's repr) have no text here.
+    """
+    if note in _NOTES:
+        return _pick(_NOTES[note], lang)
+    for pattern, zh in _NOTE_TEMPLATES:
+        m = pattern.fullmatch(note)
+        if m:
+            return note if lang == "en" else zh.format(**m.groupdict())
+    return ""
 
 
 def check_name(name: str, lang: str) -> str:

@@ -22,10 +22,15 @@ A positional label means that, on average, more than half of each token's attent
 that one place; "broad" means rows are close to uniform (entropy at least 85% of the uniform
 row's). A head passing several thresholds is labelled with the one furthest above its own.
 
-Reusable pieces (for other renderings, e.g. HTML or PNG):
+Reusable pieces (for other renderings):
 
 * :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``
 * :func:`pattern_scores` and :func:`label_heads` -- the scores and labels above.
+* :func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer, tokens on the
+  axes and each head's label, for ``--format html|png`` (:func:`run_visual`).
+
+In the visual formats the layer shown (``--layer``) defaults to :func:`default_layer`: the layer
+with the most labelled heads, the earliest on a tie; the HTML page can switch to any layer.
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ __all__ = [
     "pattern_scores",
     "label_heads",
     "render_heatmap",
+    "default_layer",
+    "layer_maps",
     "run",
+    "run_visual",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
@@ -105,6 +113,7 @@ _TEXT = {
     "none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
     "score_line": ("{label:<15} L{layer} H{head}  score {score:.2f}", "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}"),
     "map_title": ("layer {layer} head {head}", "第 {layer} 层 第 {head} 个头"),
+    "layer_title": ("{model}, layer {layer}: “{text}”", "{model}，第 {layer} 层：“{text}”"),
     "no_label": ("no clear pattern", "无明显模式"),
     "scores": ("scores:", "得分："),
     "shades": (
@@ -344,13 +353,10 @@ def _check_range(value: Optional[int], name: str, count: int, what: str, model: 
         raise UsageError(f"{name} {value} is out of range: {model} has {what} 0-{count - 1}")
 
 
-def run(args, stdout) -> int:
-    """``multihead explain --model M [--text T] [--layer L] [--head H] [--lang zh] [--out FILE]``."""
+def _checked_options(args) -> tuple[ModelInfo, str, int, int]:
+    """``(model info, text, layers, heads)`` for ``args``, every option checked (UsageError)."""
     lang = getattr(args, "lang", "en")
     info = MODELS[args.model]
-    fmt = getattr(args, "format", "text")
-    if fmt != "text":
-        raise UsageError(f"--model prints text only; drop --format {fmt}")
     for flag, attr in (("--per-head", "per_head"), ("--cost", "cost")):
         if getattr(args, attr, False):
             raise UsageError(f"{flag} belongs to the step-by-step walkthrough, not to --model; drop it")
@@ -364,12 +370,28 @@ def run(args, stdout) -> int:
     text = DEFAULT_TEXT if args.text is None else args.text
     if not text.strip():
         raise UsageError("--text is empty; give a sentence, e.g. --text \"The cat sat on the mat\"")
+    return info, text, n_layers, n_heads
 
-    tokens, weights = attention_for_text(text, model=args.model)
+
+def _attention(text: str, model: str) -> tuple[list[str], torch.Tensor]:
+    """:func:`attention_for_text`, refusing a text longer than the heat maps fit (UsageError)."""
+    tokens, weights = attention_for_text(text, model=model)
     if len(tokens) > MAX_TOKENS:
         raise UsageError(
             f"--text has {len(tokens)} tokens; the heat maps fit {MAX_TOKENS}: use a shorter sentence"
         )
+    return tokens, weights
+
+
+def run(args, stdout) -> int:
+    """``multihead explain --model M [--text T] [--layer L] [--head H] [--lang zh] [--out FILE]``:
+    the text report (``--format html|png`` go to :func:`run_visual`)."""
+    lang = getattr(args, "lang", "en")
+    fmt = getattr(args, "format", "text")
+    if fmt != "text":
+        raise UsageError(f"--model writes text, html or png; drop --format {fmt}")
+    info, text, n_layers, n_heads = _checked_options(args)
+    tokens, weights = _attention(text, args.model)
     scores = pattern_scores(weights)
     labels = label_heads(scores)
     layers = list(range(n_layers)) if args.layer is None else [args.layer]
@@ -404,3 +426,59 @@ def run(args, stdout) -> int:
     else:
         stdout.write(text_out)
     return 0
+
+
+# ---------------------------------------------------------------------------- html and png
+def default_layer(labels) -> int:
+    """The layer with the most labelled heads (the earliest on a tie); ``labels`` from
+    :func:`label_heads` of (layers, H) scores."""
+    counts = [sum(p is not None for p in heads) for heads in labels]
+    return counts.index(max(counts))
+
+
+def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm", text: str = "",
+               lang: str = "en") -> list:
+    """One :class:`~multihead.explain.visual.HeadMaps` per layer, for the visual formats.
+
+    weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes.
+    Each head is labelled with its pattern (:func:`label_heads`) and that pattern's score, in
+    English and Chinese; the title names the model, the layer and ``text`` (in ``lang``).
+    """
+    from .visual import HeadMaps
+
+    scores = pattern_scores(weights)
+    labels = label_heads(scores)
+    name = MODELS[model].name
+
+    def head_label(layer: int, head: int, lang_: str) -> str:
+        p = labels[layer][head]
+        return _pattern_name(p, lang_) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
+
+    return [
+        HeadMaps(
+            weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
+            title=_t("layer_title", lang, model=name, layer=layer, text=text),
+            head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
+        )
+        for layer in range(weights.shape[0])
+    ]
+
+
+def run_visual(args, stdout) -> int:
+    """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
+
+    html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default
+    :func:`default_layer`) and ``--head`` (default 0). png: the heads of that layer in a grid;
+    ``--head`` is refused there, since the grid shows every head.
+    """
+    from . import visual
+
+    out = visual.prepare(args)
+    if args.format == "png" and args.head is not None:
+        raise UsageError("--format png draws every head of the layer; drop --head (or use --format html --head N)")
+    _, text, _, _ = _checked_options(args)
+    tokens, weights = _attention(text, args.model)
+    maps = layer_maps(tokens, weights, model=args.model, text=text, lang=args.lang)
+    layer = default_layer(label_heads(pattern_scores(weights))) if args.layer is None else args.layer
+    head = 0 if args.head is None else args.head
+    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head)

@@ -4,11 +4,14 @@ Two neutral inputs feed both formats, so any source can be drawn:
 
 * a :class:`multihead.Trace` recorded with ``keep_values=True`` (the steps, their shapes, axes,
   patterns, view/copy flags, checks, and values; the config and the backend that ran);
-* per-head attention maps, :class:`HeadMaps`, one per batch element: the weights (H, Lq, Lk),
-  optionally the scores and the mask, and the query/key tokens when there are tokens.
+* per-head attention maps, :class:`HeadMaps`, one per batch element (or one per layer of a
+  model): the weights (H, Lq, Lk), optionally the scores and the mask, the query/key tokens
+  when there are tokens, and a label per head.
 
-A source (the module example here, a pretrained model elsewhere) calls :func:`prepare` first
-(argument checks, before any work), then :func:`write` with its trace and maps.
+A source (the module example here, a pretrained model in :mod:`.real_model`) calls
+:func:`prepare` first (argument checks, before any work), then :func:`write` with its trace and
+maps. The steps, checks and notes are told in the words of :mod:`.i18n`, as in the text
+walkthrough; :mod:`.visual_text` holds only the page's own labels.
 
 ``--format html`` writes one self-contained page (inline CSS, JS and SVG; the data as JSON in a
 ``<script type="application/json">`` block; no network). ``--format png`` writes a grid of
@@ -33,6 +36,8 @@ import torch
 from ..cli import UsageError
 from ..trace import Step, Trace
 from . import visual_text as _text
+from .example import config_from_args, trace_example
+from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
@@ -48,6 +53,8 @@ class HeadMaps:
     keep: (H, Lq, Lk) bool, True = the query may attend to the key; None = no mask.
     q_tokens / k_tokens: Lq / Lk strings, or None to label positions by number.
     title: one line saying what this is (model, layer, batch element).
+    head_labels: {lang: H strings}, a short label per head after "head h" (a pattern the head
+        shows), in "en" and optionally "zh"; None = no labels.
     """
 
     weights: torch.Tensor
@@ -56,6 +63,7 @@ class HeadMaps:
     title: str = ""
     scores: Optional[torch.Tensor] = None
     keep: Optional[torch.Tensor] = None
+    head_labels: Optional[dict] = None
 
     def __post_init__(self):
         if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 3:
@@ -69,30 +77,25 @@ class HeadMaps:
             tokens = getattr(self, name)
             if tokens is not None and len(tokens) != n:
                 raise ValueError(f"{name} has {len(tokens)} tokens but the weights have {n} along that axis")
+        if self.head_labels is not None:
+            if "en" not in self.head_labels or not set(self.head_labels) <= set(_text.LANGS):
+                raise ValueError(f"head_labels must map 'en' (and optionally 'zh') to labels, got keys {sorted(self.head_labels)}")
+            for lang, labels in self.head_labels.items():
+                if len(labels) != shape[0]:
+                    raise ValueError(f"head_labels[{lang!r}] has {len(labels)} labels but the weights have {shape[0]} heads")
+
+    def head_label(self, head: int, lang: str = "en") -> str:
+        """The label of ``head`` in ``lang`` (English when there is none in ``lang``), or ""."""
+        if self.head_labels is None:
+            return ""
+        return self.head_labels.get(lang, self.head_labels["en"])[head]
 
     @property
     def num_heads(self) -> int:
         return self.weights.shape[0]
 
 
-# ---------------------------------------------------------------------------- the example
-def _example_trace(args) -> Trace:
-    """Run the CLI's configuration through MultiHeadAttention (reference backend) and trace it."""
-    from ..module import MultiHeadAttention
-
-    torch.manual_seed(args.seed)
-    mha = MultiHeadAttention(
-        args.d_in, args.heads, args.d_out, num_kv_heads=args.kv_heads, causal=args.causal,
-        dropout=args.dropout, backend="reference",
-    )
-    mha.train(args.dropout > 0)
-    x = torch.randn(args.batch, args.tokens, args.d_in)
-    memory = torch.randn(args.batch, args.keys, args.d_in) if args.keys else None
-    with torch.no_grad(), Trace(keep_values=True) as tr:
-        mha(x) if memory is None else mha(x, memory)
-    return tr
-
-
+# ---------------------------------------------------------------------------- maps from a trace
 def _softmax_input(trace: Trace, softmax: Step) -> Step:
     """The step whose output the softmax read: the scores after scale, bias and mask."""
     i = next(i for i, s in enumerate(trace.steps) if s is softmax)
@@ -157,24 +160,61 @@ def _floats(t: torch.Tensor) -> list:
     return [_floats(row) for row in t] if t.dim() > 1 else [_f32(v) for v in t.tolist()]
 
 
-def page_data(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str = "en") -> dict:
-    """Everything the page's script reads, JSON-ready."""
+_GROUPS = ("batch", "layer")
+
+
+def _step_texts(trace: Trace) -> list[dict]:
+    """Per step, its title, meaning and note in every language: {"title": {lang: text}, ...}."""
+    sizes = trace_sizes(trace)
+    return [
+        {
+            "title": {lang: step_title(s.name, s.role, lang) for lang in _text.LANGS},
+            "meaning": {lang: describe_step(s, lang, sizes) for lang in _text.LANGS},
+            "note": {lang: note_text(s.note, lang) or s.note for lang in _text.LANGS},
+        }
+        for s in trace.steps
+    ]
+
+
+def page_data(
+    trace: Optional[Trace],
+    maps: Sequence[HeadMaps],
+    *,
+    lang: str = "en",
+    group: str = "batch",
+    start: int = 0,
+    head: int = 0,
+) -> dict:
+    """Everything the page's script reads, JSON-ready.
+
+    group: what the maps are one of, for the selector's label: "batch" (one per batch element)
+    or "layer" (one per layer of a model). start / head: the map and the head shown first.
+    """
     if lang not in _text.LANGS:
         raise ValueError(f"lang must be one of {_text.LANGS}, got {lang!r}")
     if not maps:
         raise ValueError("maps is empty: pass one HeadMaps per batch element")
+    if group not in _GROUPS:
+        raise ValueError(f"group must be one of {_GROUPS}, got {group!r}")
+    if not 0 <= start < len(maps):
+        raise ValueError(f"start must index maps (0 to {len(maps) - 1}), got {start}")
+    if not 0 <= head < maps[start].num_heads:
+        raise ValueError(f"head must be 0 to {maps[start].num_heads - 1}, got {head}")
+    texts = _step_texts(trace) if trace is not None else []
     return {
         "lang": lang,
         "ui": _text.UI,
+        "group": group,
+        "start": start,
+        "head": head,
         "config": dict(trace.config) if trace is not None else {},
-        "steps": [
-            {**s.to_dict(), "kind": step_kind(s), "meaning": _text.meaning(s.name)} for s in (trace.steps if trace else [])
-        ],
+        "steps": [{**s.to_dict(), "kind": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
         "maps": [
             {
                 "title": m.title,
                 "q_tokens": list(m.q_tokens) if m.q_tokens is not None else None,
                 "k_tokens": list(m.k_tokens) if m.k_tokens is not None else None,
+                "head_labels": {k: list(v) for k, v in m.head_labels.items()} if m.head_labels is not None else None,
                 "weights": _floats(m.weights),
                 "scores": _floats(m.scores) if m.scores is not None else None,
                 "keep": m.keep.to(torch.int64).tolist() if m.keep is not None else None,
@@ -203,15 +243,15 @@ def _shape(step: Step) -> str:
 
 def _steps_html(trace: Trace) -> str:
     items = []
-    for i, s in enumerate(trace.steps):
+    for i, (s, texts) in enumerate(zip(trace.steps, _step_texts(trace))):
         kind = step_kind(s)
         pattern = f'<p class="pattern"><span class="k">{_both("pattern")}</span> <code>{escape(s.pattern)}</code></p>' if s.pattern else ""
-        note = f'<p class="note">{escape(s.note)}</p>' if s.note else ""
-        meaning = _text.meaning(s.name)
+        note = f'<p class="note">{_both(texts["note"])}</p>' if s.note else ""
+        meaning = texts["meaning"]
         meaning_html = f'<p class="meaning">{_both(meaning)}</p>' if any(meaning.values()) else ""
         items.append(
             f'<li class="step {kind}" id="step-{i}" data-step="{escape(s.label, quote=True)}">'
-            f'<h3><span class="num">{i + 1}</span> <span class="name">{escape(s.label)}</span> '
+            f'<h3><span class="num">{i + 1}</span> <span class="name">{_both(texts["title"])}</span> '
             f'<span class="badge {kind}">{_both(kind)}</span></h3>'
             f'<p class="shape"><code>{escape(_shape(s))}</code></p>{pattern}{meaning_html}'
             f'{step_svg(s, axis_sizes(trace, s))}{note}</li>'
@@ -220,13 +260,16 @@ def _steps_html(trace: Trace) -> str:
 
 
 def _checks_html(trace: Trace) -> str:
-    checks = trace.checks
+    """Every check of every step, "step: check" in both languages (:func:`i18n.check_name`)."""
+    checks = [(s, name, ok) for s in trace.steps for name, ok in s.checks.items()]
     if not checks:
         return f"<p>{_both('checks_none')}</p>"
-    held = sum(checks.values())
+    held = sum(ok for _, _, ok in checks)
     rows = "".join(
-        f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> {escape(name)}</li>'
-        for name, ok in checks.items()
+        f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> '
+        + _both({lang: f"{step_title(s.name, s.role, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
+        + "</li>"
+        for s, name, ok in checks
     )
     return f'<p class="summary">{held}/{len(checks)}</p><ul class="checks">{rows}</ul>'
 
@@ -243,9 +286,21 @@ def _asset(name: str) -> str:
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def render_html(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str = "en") -> str:
-    """One self-contained HTML page: the steps of ``trace`` (when given) and the heat maps of ``maps``."""
-    data = page_data(trace, maps, lang=lang)
+def render_html(
+    trace: Optional[Trace],
+    maps: Sequence[HeadMaps],
+    *,
+    lang: str = "en",
+    group: str = "batch",
+    start: int = 0,
+    head: int = 0,
+) -> str:
+    """One self-contained HTML page: the steps of ``trace`` (when given) and the heat maps of ``maps``.
+
+    ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
+    (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
+    """
+    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
     title = _text.UI[lang]["title"]
     sections = []
     if trace is not None:
@@ -254,14 +309,17 @@ def render_html(trace: Optional[Trace], maps: Sequence[HeadMaps], *, lang: str =
             f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
             f'<ol class="steps">{_steps_html(trace)}</ol></section>'
         )
-    batch_options = "".join(f'<option value="{b}">{b}</option>' for b in range(len(maps)))
-    head_options = "".join(f'<option value="{h}">{h}</option>' for h in range(maps[0].num_heads))
+    selected = lambda i, chosen: " selected" if i == chosen else ""  # noqa: E731
+    batch_options = "".join(f'<option value="{b}"{selected(b, start)}>{b}</option>' for b in range(len(maps)))
+    head_options = "".join(f'<option value="{h}"{selected(h, head)}>{h}</option>' for h in range(maps[start].num_heads))
+    heading = "attention" if group == "batch" else "attention_layer"
     sections.append(
-        f'<section id="attention"><h2>{_both("attention")}</h2>'
-        f'<p class="map-title" id="map-title">{escape(maps[0].title)}</p>'
+        f'<section id="attention"><h2>{_both(heading)}</h2>'
+        f'<p class="map-title" id="map-title">{escape(maps[start].title)}</p>'
         f'<div class="controls">'
-        f'<label>{_both("batch")} <select id="batch-select">{batch_options}</select></label>'
-        f'<label>{_both("head")} <select id="head-select">{head_options}</select></label></div>'
+        f'<label>{_both(group)} <select id="batch-select">{batch_options}</select></label>'
+        f'<label>{_both("head")} <select id="head-select">{head_options}</select></label>'
+        f'<span class="head-label" id="head-label"></span></div>'
         f'<p class="hint">{_both("hover")}</p><p class="hint" id="no-scores" hidden>{_both("no_scores")}</p>'
         f'<div class="panels">'
         f'<figure class="panel" id="panel-scores"><figcaption>{_both("scores")}</figcaption><div class="heat" id="heat-scores"></div></figure>'
@@ -307,14 +365,25 @@ def prepare(args) -> Path:
     return out
 
 
-def write(args, out: Path, trace: Optional[Trace], maps: Sequence[HeadMaps], stdout) -> int:
-    """Write ``--format html`` (trace and maps) or ``png`` (the first batch element's maps) to ``out``."""
+def write(
+    args,
+    out: Path,
+    trace: Optional[Trace],
+    maps: Sequence[HeadMaps],
+    stdout,
+    *,
+    group: str = "batch",
+    start: int = 0,
+    head: int = 0,
+) -> int:
+    """Write ``--format html`` (trace and maps, see :func:`render_html`) or ``png`` (the heads of
+    ``maps[start]``) to ``out``."""
     if args.format == "html":
-        out.write_text(render_html(trace, maps, lang=args.lang), encoding="utf-8")
+        out.write_text(render_html(trace, maps, lang=args.lang, group=group, start=start, head=head), encoding="utf-8")
     elif args.format == "png":
         from .visual_png import save_heads_png
 
-        save_heads_png(maps[0], out)
+        save_heads_png(maps[start], out)
     else:
         raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
     print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
@@ -322,7 +391,10 @@ def write(args, out: Path, trace: Optional[Trace], maps: Sequence[HeadMaps], std
 
 
 def run(args, stdout) -> int:
-    """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code."""
+    """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
+
+    The example is :func:`.example.trace_example`, the forward pass the text walkthrough explains.
+    """
     out = prepare(args)
-    trace = _example_trace(args)
+    trace = trace_example(config_from_args(args))
     return write(args, out, trace, head_maps_from_trace(trace), stdout)

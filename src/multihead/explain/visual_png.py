@@ -36,6 +36,7 @@ def heads_figure(maps):
 
     Rows are queries, columns keys; colour 0..1 shared by all panels; each cell's value is
     printed when the maps are small enough to read; blocked cells (mask 0) are marked ×.
+    Panel titles are "head h", followed by the head's English label when the maps have labels.
     """
     require_matplotlib()
     from matplotlib.figure import Figure
@@ -56,7 +57,8 @@ def heads_figure(maps):
             fig.delaxes(ax)
             continue
         image = ax.imshow(weights[h].numpy(), vmin=0.0, vmax=1.0, cmap="Blues", aspect="equal")
-        ax.set_title(f"head {h}")
+        label = maps.head_label(h)  # English: the default font has no CJK glyphs
+        ax.set_title(f"head {h} · {label}" if label else f"head {h}")
         ax.set_xticks(range(Lk), labels=k_labels, rotation=90 if maps.k_tokens is not None else 0)
         ax.set_yticks(range(Lq), labels=q_labels)
         ax.set_xlabel("key")

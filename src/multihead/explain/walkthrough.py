@@ -27,8 +27,8 @@ from ..cli import UsageError
 from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
-from .example import ExampleConfig, build_example, run_example, trace_example
-from .i18n import check_name, note_text, step_meaning, step_title, word
+from .example import ExampleConfig, build_example, config_from_args, run_example, trace_example
+from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 
 __all__ = [
     "ExampleConfig",
@@ -85,13 +85,8 @@ class Walkthrough:
         return all(c.ok for c in self.checks)
 
     def sizes(self) -> dict:
-        """The numbers the step meanings are written with."""
-        c, mc = self.config, self.module.config
-        return dict(
-            B=c.batch, Lq=c.tokens, Lk=c.key_tokens, d_in=mc.d_in, kdim=mc.kdim, d_out=mc.d_out,
-            kv_dim=mc.kv_dim, H=mc.num_heads, Hkv=mc.num_kv_heads, D=mc.head_dim, g=mc.groups,
-            scale=f"{mc.head_dim ** -0.5:.4g}", p=c.dropout,
-        )
+        """The numbers the step meanings are written with (:func:`i18n.trace_sizes`)."""
+        return trace_sizes(self.trace)
 
 
 def explain(config: ExampleConfig = ExampleConfig(), *, per_head: bool = False, cost: bool = False) -> Walkthrough:
@@ -250,16 +245,7 @@ class _Style:
 
 
 def _meaning(step: Step, w: Walkthrough, lang: str) -> str:
-    sizes = w.sizes()
-    if step.name == "split heads":
-        kv = step.role in ("K", "V")
-        sizes.update(F=sizes["kv_dim"] if kv else sizes["d_out"], h=sizes["Hkv"] if kv else sizes["H"])
-    text = step_meaning(step.name, lang, **sizes)
-    if step.name == "causal mask" and sizes["Lq"] != sizes["Lk"]:
-        off = sizes["Lk"] - sizes["Lq"]
-        shift = f"i {'+' if off > 0 else '-'} {abs(off)}"
-        extra = word("causal_offset", lang, Lq=sizes["Lq"], Lk=sizes["Lk"], shift=shift)
-        text = f"{text} {extra}" if lang == "en" else text + extra
+    text = describe_step(step, lang, w.sizes())
     note = note_text(step.note, lang)
     first = "project K" if step.note.startswith("K and V") else "project Q"
     if note and step.label == first:  # said once, at the first step it concerns
@@ -468,30 +454,10 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
 
 
 # ---------------------------------------------------------------------------------- CLI entry
-def _check_options(args) -> ExampleConfig:
-    """The example config for ``args``; a size the module refuses is a UsageError naming the options."""
-    if args.d_out % args.heads:
-        raise UsageError(
-            f"--heads {args.heads} does not divide --d-out {args.d_out}: choose --d-out as a multiple "
-            f"of --heads (each head gets d_out / heads features)"
-        )
-    if args.kv_heads is not None and args.heads % args.kv_heads:
-        raise UsageError(
-            f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each key/value head "
-            "must serve the same number of query heads"
-        )
-    try:
-        config = ExampleConfig.from_args(args)
-        build_example(config)  # the module validates everything else: fail before any output
-    except (ValueError, TypeError) as e:
-        raise UsageError(str(e)) from None
-    return config
-
-
 def run(args, stdout) -> int:
     """``multihead explain`` for the text, json and markdown formats. Returns the exit code:
     0 when every check held, 1 when one failed; a bad option raises UsageError (exit 2)."""
-    config = _check_options(args)
+    config = config_from_args(args)
     w = explain(config, per_head=args.per_head, cost=args.cost)
     if args.format == "json":
         text = render_json(w, lang=args.lang, values=args.values)

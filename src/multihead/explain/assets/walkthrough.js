@@ -3,7 +3,7 @@
   "use strict";
   var data = JSON.parse(document.getElementById("mh-data").textContent);
   var root = document.documentElement;
-  var state = { batch: 0, head: 0, lang: data.lang };
+  var state = { batch: data.start, head: data.head, lang: data.lang };
   var tip = document.getElementById("tip");
   var VALUES_UP_TO = 10; // print numbers in the cells when there are at most this many keys
 
@@ -49,6 +49,12 @@
   };
 
   function current() { return data.maps[state.batch]; }
+
+  /* The short label of head h (a pattern it shows), in the page's language, or "". */
+  function headLabel(map, h) {
+    if (!map.head_labels) return "";
+    return (map.head_labels[state.lang] || map.head_labels.en)[h];
+  }
 
   function matrixOf(kind, map, h) {
     if (kind === "weights") return map.weights[h];
@@ -110,18 +116,22 @@
     document.getElementById("panel-scores").hidden = !map.scores;
     document.getElementById("no-scores").hidden = !!map.scores;
     put("heat-scores", map.scores ? heat("scores", map, h, true) : el("div"));
-    put("heat-mask", heat("mask", map, h, true));
+    document.getElementById("panel-mask").hidden = !map.keep; // a source without a mask: nothing to show
+    put("heat-mask", map.keep ? heat("mask", map, h, true) : el("div"));
     put("heat-weights", heat("weights", map, h, true));
     var heads = document.getElementById("all-heads");
     heads.textContent = "";
     map.weights.forEach(function (_, i) {
       var t = el("div", "thumb" + (i === h ? " selected" : ""));
       t.dataset.head = String(i);
-      t.appendChild(el("div", "cap", ui("head") + " " + i));
+      var label = headLabel(map, i);
+      t.appendChild(el("div", "cap", ui("head") + " " + i + (label ? " \u00b7 " + label : "")));
       t.appendChild(heat("weights", map, i, false));
       heads.appendChild(t);
     });
     document.getElementById("head-select").value = String(h);
+    document.getElementById("batch-select").value = String(state.batch);
+    document.getElementById("head-label").textContent = headLabel(map, h);
   }
 
   function describe(cell) {
