@@ -68,7 +68,7 @@ _NEG_INF = float("-inf")
 
 #: at most this many scores are materialised at once per (query tile, key block); the query
 #: rows of a block are processed in tiles so that a rank's memory stays O(L/P), not O((L/P)²)
-TILE_SCORES = 1 << 22
+TILE_SCORES = 1 << 21
 
 
 class RingError(RuntimeError):
@@ -231,20 +231,21 @@ _TAG_GRAD = 8  # dk, dv travelling home
 
 
 # ---------------------------------------------------------------------------------- block math
-def _masked_scores(q, kt, keep, q_pos, k_pos, scale):
-    """Scores (B, Hkv, g, T, Lk) for q (B, Hkv, g, T, D), kt (B, Hkv, D, Lk); -inf where not visible.
+def _masked_scores(q, kt, keep, q_pos, k_pos):
+    """Scores (B, Hkv, g, T, Lk) for q (B, Hkv, g, T, D) (already scaled), kt (B, Hkv, D, Lk);
+    -inf where not visible.
 
     keep: (B, Lk) bool or None. q_pos (T,), k_pos (Lk,): global positions for a causal block
     that is only partly visible, else None.
     """
     B, Hkv, g, T, D = q.shape
-    s = torch.matmul(q.reshape(B, Hkv, g * T, D), kt).view(B, Hkv, g, T, -1) * scale
-    visible = None if keep is None else keep[:, None, None, None, :]
+    s = torch.matmul(q.reshape(B, Hkv, g * T, D), kt).view(B, Hkv, g, T, -1)
+    blocked = None if keep is None else ~keep[:, None, None, None, :]
     if q_pos is not None:
-        causal = k_pos[None, :] <= q_pos[:, None]
-        visible = causal if visible is None else visible & causal
-    if visible is not None:
-        s = s.masked_fill(~visible, _NEG_INF)
+        after = k_pos[None, :] > q_pos[:, None]
+        blocked = after if blocked is None else blocked | after
+    if blocked is not None:
+        s.masked_fill_(blocked, _NEG_INF)
     return s
 
 
@@ -255,19 +256,20 @@ def _tiles(q, lk):
     return [(t, min(Lq, t + step)) for t in range(0, Lq, step)]
 
 
-def _attend_block(q, k, v, keep, q_pos, k_pos, scale, out, lse):
+def _attend_block(q, k, v, keep, q_pos, k_pos, out, lse):
     """Merge attention of q to one key block into the running ``out`` and ``lse``, in place.
 
-    q (B, Hkv, g, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), in the compute dtype;
-    out (B, Hkv, g, Lq, Dv) and lse (B, Hkv, g, Lq) accumulate over blocks (lse = -inf: nothing yet).
+    q (B, Hkv, g, Lq, D) already multiplied by the scale, k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv),
+    in the compute dtype; out (B, Hkv, g, Lq, Dv) and lse (B, Hkv, g, Lq) accumulate over
+    blocks (lse = -inf: no visible key yet).
     """
     B, Hkv, g, _, _ = q.shape
     kt = k.transpose(-2, -1)
     for t0, t1 in _tiles(q, k.shape[-2]):
-        s = _masked_scores(q[..., t0:t1, :], kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos, scale)
-        m = s.amax(dim=-1)
-        m = m.masked_fill(m == _NEG_INF, 0.0)  # a row with no visible key: p = 0 below
-        p = torch.exp(s - m[..., None])
+        p = _masked_scores(q[..., t0:t1, :], kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos)
+        m = p.amax(dim=-1)
+        m.masked_fill_(m == _NEG_INF, 0.0)  # a row with no visible key: p = 0 below
+        p.sub_(m[..., None]).exp_()
         total = p.sum(dim=-1)
         o = torch.matmul(p.view(B, Hkv, g * (t1 - t0), -1), v).view(B, Hkv, g, t1 - t0, -1)
         block_out = o / total.clamp(min=1.0)[..., None]  # total >= 1 when any key is visible
@@ -279,25 +281,26 @@ def _attend_block(q, k, v, keep, q_pos, k_pos, scale, out, lse):
         lse[..., t0:t1] = new_lse
 
 
-def _attend_block_backward(q, k, v, keep, q_pos, k_pos, scale, dout, lse, delta, dq, dk, dv):
+def _attend_block_backward(q, k, v, keep, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
     """Add this key block's share of the gradients: dq (local) and dk, dv (the block's), in place.
 
-    q, dq (B, Hkv, g, Lq, D); dout (B, Hkv, g, Lq, Dv); lse, delta (B, Hkv, g, Lq) with
-    delta = rowsum(dout * out); k, dk (B, Hkv, Lk, D); v, dv (B, Hkv, Lk, Dv).
+    q (B, Hkv, g, Lq, D) already scaled; dq gets ds·k, to be multiplied by the scale once at
+    the end; dout (B, Hkv, g, Lq, Dv); lse, delta (B, Hkv, g, Lq) with delta = rowsum(dout * out);
+    k, dk (B, Hkv, Lk, D); v, dv (B, Hkv, Lk, Dv).
     """
     B, Hkv, g, _, D = q.shape
     kt, vt = k.transpose(-2, -1), v.transpose(-2, -1)
     for t0, t1 in _tiles(q, k.shape[-2]):
         rows = g * (t1 - t0)
         qt = q[..., t0:t1, :]
-        s = _masked_scores(qt, kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos, scale)
+        p = _masked_scores(qt, kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos)
         row_lse = lse[..., t0:t1]
         row_lse = row_lse.masked_fill(row_lse == _NEG_INF, float("inf"))  # empty rows: p = 0
-        p = torch.exp(s - row_lse[..., None]).view(B, Hkv, rows, -1)
+        p = p.sub_(row_lse[..., None]).exp_().view(B, Hkv, rows, -1)  # the softmax weights
         do = dout[..., t0:t1, :].reshape(B, Hkv, rows, -1)
         dv += torch.matmul(p.transpose(-2, -1), do)
-        dp = torch.matmul(do, vt)
-        ds = p * (dp - delta[..., t0:t1].reshape(B, Hkv, rows, 1)) * scale
+        ds = torch.matmul(do, vt)  # d weights
+        ds.sub_(delta[..., t0:t1].reshape(B, Hkv, rows, 1)).mul_(p)  # d scores (before the scale)
         dq[..., t0:t1, :] += torch.matmul(ds, k).view(B, Hkv, g, t1 - t0, D)
         dk += torch.matmul(ds.transpose(-2, -1), qt.reshape(B, Hkv, rows, D))
 
@@ -345,7 +348,7 @@ class _RingAttention(torch.autograd.Function):
         B, H, Lq, D = q.shape
         Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
         cdt = compute_dtype(q.dtype)
-        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt)
+        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt) * spec.scale
         out = q5.new_zeros(B, Hkv, H // Hkv, Lq, Dv)
         lse = q5.new_full((B, Hkv, H // Hkv, Lq), _NEG_INF)
         q_segs = spec.segments(ring.rank, Lq)
@@ -358,7 +361,7 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = block[0].to(cdt), block[1].to(cdt)
             kp = block[2] if keep is not None else None
             for qsl, qb, kbs, vbs, kps, q_pos, k_pos, _ in _pieces(q_segs, spec.segments(owner, Lk), spec.causal, q.device, q5, kb, vb, kp):
-                _attend_block(qb, kbs, vbs, kps, q_pos, k_pos, spec.scale, out[..., qsl, :], lse[..., qsl])
+                _attend_block(qb, kbs, vbs, kps, q_pos, k_pos, out[..., qsl, :], lse[..., qsl])
             if pending is not None:
                 block = pending.wait()
         ctx.spec = spec
@@ -373,7 +376,7 @@ class _RingAttention(torch.autograd.Function):
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         cdt = out.dtype
-        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt)
+        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt) * spec.scale
         dout = grad_out.unflatten(1, (Hkv, H // Hkv)).to(cdt)
         delta = (dout * out).sum(dim=-1)
         dq = torch.zeros_like(q5)
@@ -392,7 +395,7 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
             for qsl, qb, kbs, vbs, kps, q_pos, k_pos, ksl in _pieces(q_segs, spec.segments(owner, Lk), spec.causal, q.device, q5, kb, vb, kp):
                 _attend_block_backward(
-                    qb, kbs, vbs, kps, q_pos, k_pos, spec.scale, dout[..., qsl, :], lse[..., qsl],
+                    qb, kbs, vbs, kps, q_pos, k_pos, dout[..., qsl, :], lse[..., qsl],
                     delta[..., qsl], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :],
                 )
             if pending_grad is not None:
@@ -404,7 +407,8 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:  # the last block's gradients are complete: send them home
             grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1).wait()
         dk, dv = grads_out
-        return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq = dq.mul_(spec.scale).flatten(1, 2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 # ---------------------------------------------------------------------------------- public
