@@ -2,14 +2,15 @@
 
 Each configuration is launched with torchrun (gloo, one host). Every rank creates only its own
 shard (B, H, L/P, D) of q, k, v, runs ``ring_attention`` forward and backward once, and
-reports its wall time and its peak resident memory (``ru_maxrss``) above the RSS it had after
-importing torch and joining the process group. Run::
+reports its wall time, its peak resident memory (``ru_maxrss``) and that peak above its
+baseline (the peak after importing torch, joining the process group and one tiny warm-up
+call). Run::
 
     python benchmarks/bench_ring.py                      # L = 16k, 32k, 64k; P = 1, 2, 4
     python benchmarks/bench_ring.py --seq-lens 4096 --ranks 1 2 --markdown out.md   # appends
     python benchmarks/bench_ring.py --seq-lens 65536 --no-backward                 # forward only
 
-Ranks on one host share its cores (each rank gets cores // P threads, at least 1): with more
+Ranks on one host share its cores (one torch thread per rank unless ``--threads``): with more
 ranks than cores the time is not a speed-up measurement; the point is memory per rank and
 that the ring runs. Attention FLOPs are reported as achieved GFLOP/s over all ranks
 (forward 4·B·H·L²·D, backward 2.5x that; halved when causal).
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +43,9 @@ def _worker(args) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # a tiny call first, so that the baseline includes torch's lazy initialisation
+    tiny = [torch.randn(1, 1, 8, 8, requires_grad=True) for _ in range(3)]
+    ring_attention(*tiny, causal=args.causal).sum().backward()
     base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     n = args.seq_len // world
     g = torch.Generator().manual_seed(rank)
@@ -57,25 +62,24 @@ def _worker(args) -> None:
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     finite = bool(torch.isfinite(out).all() and (not args.backward or torch.isfinite(q.grad).all()))
     shard_bytes = q.numel() * q.element_size()
-    print("RESULT " + json.dumps({
+    (args.results / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "world": world, "seq_len": args.seq_len, "forward_s": t1 - t0, "backward_s": t2 - t1,
         "peak_mib": peak_kib / 1024, "above_base_mib": (peak_kib - base_kib) / 1024,
         "shard_mib": shard_bytes / 2**20, "finite": finite, "threads": torch.get_num_threads(),
-    }), flush=True)
+    }))
     dist.destroy_process_group()
 
 
-def _launch(args, seq_len: int, world: int) -> list[dict]:
-    threads = max(1, (os.cpu_count() or 1) // world)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+def _launch(args, seq_len: int, world: int, results: Path) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
         __file__, "--worker", f"--seq-len={seq_len}", f"--batch={args.batch}", f"--heads={args.heads}",
         f"--head-dim={args.head_dim}", "--causal" if args.causal else "--no-causal",
-        "--backward" if args.backward else "--no-backward",
+        "--backward" if args.backward else "--no-backward", f"--results={results}",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = [json.loads(f.read_text()) for f in sorted(results.glob("rank*.json"))]
     if proc.returncode or len(rows) != world:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return rows
@@ -96,10 +100,12 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the backward pass (--no-backward: forward only)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--markdown", type=Path, help="also write the table to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--results", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -107,8 +113,8 @@ def main(argv=None) -> int:
 
     header = (
         f"B={args.batch}, H={args.heads}, D={args.head_dim}, float32, causal={args.causal} "
-        f"(zigzag layout), {os.cpu_count()} CPU cores shared by all ranks\n\n"
-        "| L | P | pass | shard q (MiB) | peak RSS per rank (MiB) | above import (MiB) | dense scores, one process (MiB) "
+        f"(zigzag layout), {args.threads} thread(s) per rank, {os.cpu_count()} CPU cores shared by all ranks\n\n"
+        "| L | P | pass | shard q (MiB) | peak RSS per rank (MiB) | above baseline (MiB) | dense scores, one process (MiB) "
         "| forward (s) | backward (s) | GFLOP/s (all ranks) |\n"
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
     )
@@ -116,7 +122,8 @@ def main(argv=None) -> int:
     lines = [header]
     for seq_len in args.seq_lens:
         for world in args.ranks:
-            rows = _launch(args, seq_len, world)
+            with tempfile.TemporaryDirectory() as tmp:
+                rows = _launch(args, seq_len, world, Path(tmp))
             if not all(r["finite"] for r in rows):
                 raise RuntimeError(f"non-finite output at L={seq_len}, P={world}")
             fwd = max(r["forward_s"] for r in rows)
