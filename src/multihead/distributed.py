@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import masks as _masks
 from ._checks import check_qkv, check_scale
@@ -369,6 +370,7 @@ class _RingAttention(torch.autograd.Function):
         return out.flatten(1, 2).to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, keep, out, lse = ctx.saved_tensors
         spec = ctx.spec
