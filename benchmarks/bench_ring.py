@@ -29,16 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def _worker(args) -> None:
     import resource
 
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT / "src"))
     from multihead.distributed import ring_attention
 
     dist.init_process_group("gloo")

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout
-
-import multihead as mh  # noqa: E402
-from multihead import masks  # noqa: E402
-from multihead.distributed import context_parallel, shard_sequence, unshard_sequence  # noqa: E402
+import multihead as mh
+from multihead import masks
+from multihead.distributed import context_parallel, shard_sequence, unshard_sequence
 
 
 def main() -> None:
