@@ -1,0 +1,556 @@
+"""Context-parallel (ring) attention: one sequence sharded across the ranks of a process group.
+
+Each rank holds its shard of the sequence, (B, H, L/P, D) for the queries and (B, Hkv, L/P, D)
+for the keys and values. The key/value blocks travel round the ring (rank r sends to r+1 and
+receives from r-1) while every rank attends its queries to the block it holds and merges the
+partial results with the log-sum-exp rule::
+
+    lse  = logaddexp(lse_a, lse_b)
+    out  = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+so after P steps each rank has exactly softmax(q kᵀ · scale) v over the whole sequence, having
+held at most two key/value blocks at a time. The backward pass sends the blocks round the ring
+again; the gradients dk/dv of a block are summed by every rank it visits and travel with it
+back to its owner, while dq stays local. Transport is torch.distributed point-to-point
+(``batch_isend_irecv``): gloo on CPUs, NCCL on GPUs, processes launched with ``torchrun``.
+
+Layouts (the sequence axis is dim -2; P = 2 ranks, L = 8 tokens)::
+
+    contiguous  rank 0: 0 1 2 3          rank 1: 4 5 6 7
+    zigzag      rank 0: 0 1 | 6 7        rank 1: 2 3 | 4 5
+
+With a causal mask, contiguous shards give rank 0 one block of work and rank P-1 P blocks;
+zigzag (the sequence cut in 2P chunks, rank r holding chunks r and 2P-1-r) gives every rank the
+same work, so it is the default when ``causal=True``. :func:`shard_sequence` and
+:func:`unshard_sequence` produce and invert both layouts; :func:`shard_positions` gives the
+global token positions of a shard (for rotary embeddings).
+
+Why not ``torch.distributed.tensor.experimental.context_parallel``: in torch 2.13 it only
+handles the CUDA SDPA kernels (flash, efficient, cuDNN); on CPU, SDPA's
+``_scaled_dot_product_flash_attention_for_cpu`` has no sharding rule (NotImplementedError), and
+it takes no attention mask (no key padding). This module needs only point-to-point sends, which
+every torch.distributed backend has.
+
+Legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv, L sequence length, P ranks
+in the group, Lq/Lk local (per-rank) query/key lengths, D head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import datetime
+import numbers
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from . import masks as _masks
+from ._checks import check_qkv, check_scale
+from .backends.reference import compute_dtype
+from .heads import merge_heads, split_heads
+
+__all__ = [
+    "LAYOUTS",
+    "RingError",
+    "ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
+    "shard_positions",
+    "ContextParallel",
+    "context_parallel",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+_NEG_INF = float("-inf")
+
+#: at most this many scores are materialised at once per (query tile, key block); the query
+#: rows of a block are processed in tiles so that a rank's memory stays O(L/P), not O((L/P)²)
+TILE_SCORES = 1 << 21
+
+
+class RingError(RuntimeError):
+    """A send or receive of the ring failed: a peer rank died, left, or did not answer in time."""
+
+
+# ---------------------------------------------------------------------------------- layouts
+def _check_layout(layout, name: str = "layout") -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _check_rank(rank, world_size) -> tuple[int, int]:
+    for value, name in ((rank, "rank"), (world_size, "world_size")):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size) = [0, {world_size}), got {rank}")
+    return int(rank), int(world_size)
+
+
+def _chunks_per_rank(layout: str) -> int:
+    return 1 if layout == "contiguous" else 2
+
+
+def _segments(rank: int, world_size: int, local_len: int, layout: str) -> list[tuple[int, int, int]]:
+    """The pieces of a rank's shard: ``(local start, global start, length)`` each."""
+    if layout == "contiguous":
+        return [(0, rank * local_len, local_len)]
+    c = local_len // 2
+    return [(0, rank * c, c), (c, (2 * world_size - 1 - rank) * c, c)]
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str = "contiguous", *, dim: int = -2) -> torch.Tensor:
+    """The shard of ``x`` that ``rank`` holds, cut along the sequence axis ``dim``.
+
+    x: (..., L, D) with the default ``dim=-2`` (e.g. q (B, H, L, D)); pass ``dim=-1`` for a
+    (B, L) key-padding tensor. L must be a multiple of P (contiguous) or 2P (zigzag).
+    Returns (..., L/P, D): ``contiguous`` gives tokens ``r·L/P ... (r+1)·L/P - 1``; ``zigzag``
+    gives chunks r and 2P-1-r of 2P equal chunks (see the module docstring).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    rank, world_size = _check_rank(rank, world_size)
+    _check_layout(layout)
+    n = x.shape[dim]
+    pieces = world_size * _chunks_per_rank(layout)
+    if n % pieces:
+        raise ValueError(
+            f"x has {n} tokens on dim {dim}, which does not split into {pieces} equal chunks "
+            f"({layout} layout over {world_size} ranks); pad the sequence to a multiple of {pieces} "
+            "and mask the padding with masks.key_padding"
+        )
+    chunks = x.chunk(pieces, dim)
+    if layout == "contiguous":
+        return chunks[rank]
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def unshard_sequence(shards, layout: str = "contiguous", *, dim: int = -2) -> torch.Tensor:
+    """The full sequence from every rank's shard (list index = rank): inverts :func:`shard_sequence`."""
+    _check_layout(layout)
+    if not isinstance(shards, (list, tuple)) or not shards or not all(isinstance(s, torch.Tensor) for s in shards):
+        raise TypeError("shards must be a non-empty list of tensors, one per rank in rank order")
+    if layout == "contiguous":
+        return torch.cat(list(shards), dim)
+    for r, s in enumerate(shards):
+        if s.shape[dim] % 2:
+            raise ValueError(
+                f"shard {r} has {s.shape[dim]} tokens on dim {dim}; zigzag shards hold two equal chunks, "
+                "so their length must be even"
+            )
+    halves = [s.chunk(2, dim) for s in shards]
+    early = [h[0] for h in halves]
+    late = [h[1] for h in reversed(halves)]
+    return torch.cat(early + late, dim)
+
+
+def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "contiguous", *, device=None) -> torch.Tensor:
+    """Global positions (L/P,) of the tokens in ``rank``'s shard of a length-``seq_len`` sequence.
+
+    ``shard_sequence(torch.arange(L)[:, None], rank, P, layout)[:, 0]`` is the same thing.
+    """
+    rank, world_size = _check_rank(rank, world_size)
+    _check_layout(layout)
+    pieces = world_size * _chunks_per_rank(layout)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len % pieces:
+        raise ValueError(f"seq_len must be an int multiple of {pieces} for the {layout} layout, got {seq_len!r}")
+    segs = _segments(rank, world_size, seq_len // world_size, layout)
+    return torch.cat([torch.arange(g, g + n, device=device) for _, g, n in segs])
+
+
+# ---------------------------------------------------------------------------------- transport
+class _Pending:
+    """Receives in flight; :meth:`wait` returns the received tensors."""
+
+    def __init__(self, ring: "_Ring", works, sent, received, what: str, step: int):
+        self.ring, self.works, self.sent, self.received = ring, works, sent, received
+        self.what, self.step = what, step
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            try:
+                if self.ring.timeout is None:
+                    w.wait()
+                else:
+                    w.wait(self.ring.timeout)
+            except RuntimeError as e:
+                raise self.ring.error(self.what, self.step, e) from e
+        return self.received
+
+
+class _Ring:
+    """The ring over a process group: rank r sends to r+1 and receives from r-1 (group ranks)."""
+
+    def __init__(self, group, timeout: Optional[float]):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ring_attention needs torch.distributed: call torch.distributed.init_process_group"
+                "(backend='gloo' or 'nccl') first, e.g. in a script launched with torchrun"
+            )
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the process group passed as group")
+        self.size = dist.get_world_size(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+
+    def error(self, what: str, step: int, cause: Exception) -> RingError:
+        limit = "the process group's timeout" if self.timeout is None else f"timeout={self.timeout.total_seconds():g} s"
+        return RingError(
+            f"ring attention, rank {self.rank} of {self.size}: {what} at step {step + 1} of {self.size} "
+            f"failed (send to rank {(self.rank + 1) % self.size}, receive from rank {(self.rank - 1) % self.size}); "
+            f"another rank probably failed, exited or hung (waits are bounded by {limit}): "
+            f"check the other ranks' logs. Cause: {cause}"
+        )
+
+    def shift(self, tensors, *, tag: int, what: str, step: int) -> _Pending:
+        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous, asynchronously."""
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = []
+        for i, (s, r) in enumerate(zip(sent, received)):
+            ops.append(dist.P2POp(dist.isend, s, self.next, self.group, tag + i))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag + i))
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self.error(what, step, e) from e
+        return _Pending(self, works, sent, received, what, step)
+
+
+_TAG_KV = 0  # k, v, keep
+_TAG_GRAD = 8  # dk, dv travelling home
+
+
+# ---------------------------------------------------------------------------------- block math
+def _masked_scores(q, kt, keep, q_pos, k_pos):
+    """Scores (B, Hkv, g, T, Lk) for q (B, Hkv, g, T, D) (already scaled), kt (B, Hkv, D, Lk);
+    -inf where not visible.
+
+    keep: (B, Lk) bool or None. q_pos (T,), k_pos (Lk,): global positions for a causal block
+    that is only partly visible, else None.
+    """
+    B, Hkv, g, T, D = q.shape
+    s = torch.matmul(q.reshape(B, Hkv, g * T, D), kt).view(B, Hkv, g, T, -1)
+    blocked = None if keep is None else ~keep[:, None, None, None, :]
+    if q_pos is not None:
+        after = k_pos[None, :] > q_pos[:, None]
+        blocked = after if blocked is None else blocked | after
+    if blocked is not None:
+        s.masked_fill_(blocked, _NEG_INF)
+    return s
+
+
+def _tiles(q, lk):
+    """Query-row ranges so that one tile's scores hold at most TILE_SCORES elements."""
+    B, Hkv, g, Lq, _ = q.shape
+    step = max(1, TILE_SCORES // max(1, B * Hkv * g * lk))
+    return [(t, min(Lq, t + step)) for t in range(0, Lq, step)]
+
+
+def _attend_block(q, k, v, keep, q_pos, k_pos, out, lse):
+    """Merge attention of q to one key block into the running ``out`` and ``lse``, in place.
+
+    q (B, Hkv, g, Lq, D) already multiplied by the scale, k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv),
+    in the compute dtype; out (B, Hkv, g, Lq, Dv) and lse (B, Hkv, g, Lq) accumulate over
+    blocks (lse = -inf: no visible key yet).
+    """
+    B, Hkv, g, _, _ = q.shape
+    kt = k.transpose(-2, -1)
+    for t0, t1 in _tiles(q, k.shape[-2]):
+        p = _masked_scores(q[..., t0:t1, :], kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos)
+        m = p.amax(dim=-1)
+        m.masked_fill_(m == _NEG_INF, 0.0)  # a row with no visible key: p = 0 below
+        p.sub_(m[..., None]).exp_()
+        total = p.sum(dim=-1)
+        o = torch.matmul(p.view(B, Hkv, g * (t1 - t0), -1), v).view(B, Hkv, g, t1 - t0, -1)
+        block_out = o / total.clamp(min=1.0)[..., None]  # total >= 1 when any key is visible
+        block_lse = m + torch.log(total)  # -inf when no key is visible
+        old_lse = lse[..., t0:t1]
+        new_lse = torch.logaddexp(old_lse, block_lse)
+        ref = new_lse.masked_fill(new_lse == _NEG_INF, 0.0)
+        out[..., t0:t1, :] = out[..., t0:t1, :] * torch.exp(old_lse - ref)[..., None] + block_out * torch.exp(block_lse - ref)[..., None]
+        lse[..., t0:t1] = new_lse
+
+
+def _attend_block_backward(q, k, v, keep, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
+    """Add this key block's share of the gradients: dq (local) and dk, dv (the block's), in place.
+
+    q (B, Hkv, g, Lq, D) already scaled; dq gets ds·k, to be multiplied by the scale once at
+    the end; dout (B, Hkv, g, Lq, Dv); lse, delta (B, Hkv, g, Lq) with delta = rowsum(dout * out);
+    k, dk (B, Hkv, Lk, D); v, dv (B, Hkv, Lk, Dv).
+    """
+    B, Hkv, g, _, D = q.shape
+    kt, vt = k.transpose(-2, -1), v.transpose(-2, -1)
+    for t0, t1 in _tiles(q, k.shape[-2]):
+        rows = g * (t1 - t0)
+        qt = q[..., t0:t1, :]
+        p = _masked_scores(qt, kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos)
+        row_lse = lse[..., t0:t1]
+        row_lse = row_lse.masked_fill(row_lse == _NEG_INF, float("inf"))  # empty rows: p = 0
+        p = p.sub_(row_lse[..., None]).exp_().view(B, Hkv, rows, -1)  # the softmax weights
+        do = dout[..., t0:t1, :].reshape(B, Hkv, rows, -1)
+        dv += torch.matmul(p.transpose(-2, -1), do)
+        ds = torch.matmul(do, vt)  # d weights
+        ds.sub_(delta[..., t0:t1].reshape(B, Hkv, rows, 1)).mul_(p)  # d scores (before the scale)
+        dq[..., t0:t1, :] += torch.matmul(ds, k).view(B, Hkv, g, t1 - t0, D)
+        dk += torch.matmul(ds.transpose(-2, -1), qt.reshape(B, Hkv, rows, D))
+
+
+def _block_pairs(q_segs, k_segs, causal: bool, device):
+    """(q segment, k segment, q_pos, k_pos) for every pair of segments with a visible key.
+
+    Without causal masking each rank's shard is one segment. With it, a key segment wholly
+    before the query segment is fully visible (no positions needed), one wholly after is
+    skipped, and an overlapping one gets its global positions for the triangular mask.
+    """
+    for qs in q_segs:
+        for ks in k_segs:
+            (_, qg, qn), (_, kg, kn) = qs, ks
+            if not causal or kg + kn - 1 <= qg:
+                yield qs, ks, None, None
+            elif kg <= qg + qn - 1:
+                yield qs, ks, torch.arange(qg, qg + qn, device=device), torch.arange(kg, kg + kn, device=device)
+
+
+def _pieces(q_segs, k_segs, causal, device, q, k, v, keep):
+    for (ql, _, qn), (kl, _, kn), q_pos, k_pos in _block_pairs(q_segs, k_segs, causal, device):
+        yield (
+            slice(ql, ql + qn), q[..., ql:ql + qn, :], k[..., kl:kl + kn, :], v[..., kl:kl + kn, :],
+            None if keep is None else keep[:, kl:kl + kn], q_pos, k_pos, slice(kl, kl + kn),
+        )
+
+
+class _Spec:
+    """What the ring needs besides the tensors: the group, layout and masking choices."""
+
+    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float):
+        self.ring, self.causal, self.layout, self.scale = ring, causal, layout, scale
+
+    def segments(self, owner: int, local_len: int):
+        if not self.causal:
+            return [(0, 0, local_len)]
+        return _segments(owner, self.ring.size, local_len, self.layout)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, spec: _Spec):
+        ring = spec.ring
+        B, H, Lq, D = q.shape
+        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        cdt = compute_dtype(q.dtype)
+        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt) * spec.scale
+        out = q5.new_zeros(B, Hkv, H // Hkv, Lq, Dv)
+        lse = q5.new_full((B, Hkv, H // Hkv, Lq), _NEG_INF)
+        q_segs = spec.segments(ring.rank, Lq)
+        block = [k, v] + ([] if keep is None else [keep])
+        for step in range(ring.size):
+            owner = (ring.rank - step) % ring.size
+            pending = None
+            if step < ring.size - 1:  # start passing the block on while computing with it
+                pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
+            kb, vb = block[0].to(cdt), block[1].to(cdt)
+            kp = block[2] if keep is not None else None
+            for qsl, qb, kbs, vbs, kps, q_pos, k_pos, _ in _pieces(q_segs, spec.segments(owner, Lk), spec.causal, q.device, q5, kb, vb, kp):
+                _attend_block(qb, kbs, vbs, kps, q_pos, k_pos, out[..., qsl, :], lse[..., qsl])
+            if pending is not None:
+                block = pending.wait()
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, keep, out, lse)
+        return out.flatten(1, 2).to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, keep, out, lse = ctx.saved_tensors
+        spec = ctx.spec
+        ring = spec.ring
+        B, H, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        cdt = out.dtype
+        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt) * spec.scale
+        dout = grad_out.unflatten(1, (Hkv, H // Hkv)).to(cdt)
+        delta = (dout * out).sum(dim=-1)
+        dq = torch.zeros_like(q5)
+        q_segs = spec.segments(ring.rank, Lq)
+        block = [k, v] + ([] if keep is None else [keep])
+        grads_out = None  # (dk, dv) of the block held in the previous step, summed so far
+        for step in range(ring.size):
+            owner = (ring.rank - step) % ring.size
+            pending_kv = pending_grad = None
+            if step < ring.size - 1:
+                pending_kv = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks (backward)", step=step)
+            if grads_out is not None:  # the previous block's gradients move on with it
+                pending_grad = ring.shift(grads_out, tag=_TAG_GRAD, what="passing dk/dv", step=step)
+            kb, vb = block[0].to(cdt), block[1].to(cdt)
+            kp = block[2] if keep is not None else None
+            dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+            for qsl, qb, kbs, vbs, kps, q_pos, k_pos, ksl in _pieces(q_segs, spec.segments(owner, Lk), spec.causal, q.device, q5, kb, vb, kp):
+                _attend_block_backward(
+                    qb, kbs, vbs, kps, q_pos, k_pos, dout[..., qsl, :], lse[..., qsl],
+                    delta[..., qsl], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :],
+                )
+            if pending_grad is not None:
+                dk_in, dv_in = pending_grad.wait()
+                dk, dv = dk + dk_in, dv + dv_in
+            grads_out = [dk, dv]
+            if pending_kv is not None:
+                block = pending_kv.wait()
+        if ring.size > 1:  # the last block's gradients are complete: send them home
+            grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1).wait()
+        dk, dv = grads_out
+        dq = dq.mul_(spec.scale).flatten(1, 2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+# ---------------------------------------------------------------------------------- public
+def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor]]:
+    """(has a causal part, the (B, Lk) keep tensor or None) of a mask the ring can carry."""
+    m = _masks.as_mask(mask)
+    if m is None:
+        return False, None
+    causal, keep = False, None
+    for part in m.parts:
+        if isinstance(part, _masks.Causal):
+            causal = True
+        elif isinstance(part, _masks.KeyPadding):
+            part.check(shape, device)
+            keep = part.tensor if keep is None else keep & part.tensor
+        else:
+            raise ValueError(
+                f"ring_attention takes mask=None, masks.key_padding(keep) with this rank's (B, Lk) "
+                f"shard of keep, or masks.causal(); got {part!r}. A dense (Lq, Lk) mask or bias cannot "
+                "travel with the key blocks: use causal=True for causal attention and key_padding for padding"
+            )
+    return causal, keep
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    group=None,
+    layout: Optional[str] = None,
+    timeout: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention over a sequence sharded across the ranks of ``group``; call it on every rank.
+
+    Args:
+        q: (B, H, Lq, D), this rank's queries (Lq = L/P).
+        k: (B, Hkv, Lk, D), this rank's keys; Hkv divides H (GQA: query head i reads kv head i // g).
+        v: (B, Hkv, Lk, Dv), this rank's values.
+        mask: None, or ``masks.key_padding(keep)`` with keep (B, Lk) this rank's shard of the
+            padding (True = real token; it travels with the keys), optionally ``& masks.causal()``.
+            Other masks raise ValueError.
+        causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
+        scale: multiplies q·kᵀ; default 1/√D.
+        group: the process group whose ranks hold the shards (default: the whole world), in
+            sequence order of their group ranks.
+        layout: how the shards were cut, ``"contiguous"`` or ``"zigzag"`` (see
+            :func:`shard_sequence`); default zigzag when causal, else contiguous. Without
+            causal masking the layout does not change the result.
+        timeout: seconds to wait for a block before raising :class:`RingError` (default: the
+            process group's timeout).
+
+    Returns:
+        (B, H, Lq, Dv), this rank's rows of ``multihead.attention`` on the whole sequence
+        (rows with no visible key give 0). Differentiable: gradients are those of the whole
+        sequence, each rank receiving its shard's.
+
+    Every rank must pass shards of the same shape; the sequence length L must be a multiple
+    of P (2P for zigzag). Computation is in float32 for half inputs.
+    """
+    check_qkv(q, k, v)
+    scale = check_scale(scale, q.shape[-1])
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    mask_causal, keep = _split_mask(mask, (B, H, Lq, Lk), q.device)
+    causal = causal or mask_causal
+    layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
+    if causal and Lq != Lk:
+        raise ValueError(
+            f"causal ring attention needs q and k cut from one sequence: got Lq={Lq} queries and "
+            f"Lk={Lk} keys on this rank; shard q, k and v with the same shard_sequence call"
+        )
+    if causal and layout == "zigzag" and Lq % 2:
+        raise ValueError(
+            f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
+            "pad the sequence to a multiple of 2P"
+        )
+    ring = _Ring(group, timeout)
+    return _RingAttention.apply(q, k, v, keep, _Spec(ring, causal, layout, scale))
+
+
+class ContextParallel(nn.Module):
+    """Runs a :class:`multihead.MultiHeadAttention` on a sequence sharded across ``group``.
+
+    The wrapped module's projections are applied to this rank's tokens and its attention step
+    becomes :func:`ring_attention`; the module's ``causal`` setting is honoured (zigzag layout
+    by default). Parameters are shared with the wrapped module, not copied.
+
+    Each rank's parameter gradients are its shard's share: sum them over the group
+    (``torch.distributed.all_reduce(p.grad, group=group)``) to get the gradients of the whole
+    sequence, as data parallelism does.
+
+    Args:
+        mha: the module; dropout must be 0 (or the module in eval mode).
+        group: the process group holding the shards (default: the whole world).
+        layout: see :func:`ring_attention`.
+        timeout: see :func:`ring_attention`.
+    """
+
+    def __init__(self, mha: nn.Module, group=None, *, layout: Optional[str] = None, timeout: Optional[float] = None):
+        super().__init__()
+        from .module import MultiHeadAttention
+
+        if not isinstance(mha, MultiHeadAttention):
+            raise TypeError(f"mha must be a multihead.MultiHeadAttention, got {type(mha).__name__}")
+        self.mha = mha
+        self.group = group
+        self.layout = None if layout is None else _check_layout(layout)
+        self.timeout = timeout
+
+    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *, mask=None) -> torch.Tensor:
+        """query (B, Lq, d_in), key (B, Lk, kdim), value (B, Lk, vdim): this rank's shards
+        (key/value default to query). mask: None or ``masks.key_padding`` of the (B, Lk) shard.
+        Returns (B, Lq, d_out), this rank's rows of the module's output on the whole sequence."""
+        mha, cfg = self.mha, self.mha.config
+        key = query if key is None else key
+        value = key if value is None else value
+        mha._check_inputs(query, key, value)
+        if mha.training and cfg.dropout > 0:
+            raise ValueError(
+                f"the module has dropout={cfg.dropout}, which ring attention does not apply; "
+                "call mha.eval() or build it with dropout=0"
+            )
+        q = split_heads(F.linear(query, mha.q_proj.weight, mha.q_proj.bias), cfg.num_heads, role="Q")
+        k = split_heads(F.linear(key, mha.k_proj.weight, mha.k_proj.bias), cfg.num_kv_heads, role="K")
+        v = split_heads(F.linear(value, mha.v_proj.weight, mha.v_proj.bias), cfg.num_kv_heads, role="V")
+        o = ring_attention(
+            q, k, v, mask, causal=cfg.causal, scale=cfg.head_dim ** -0.5, group=self.group,
+            layout=self.layout, timeout=self.timeout,
+        )
+        return F.linear(merge_heads(o), mha.out_proj.weight, mha.out_proj.bias)
+
+
+def context_parallel(mha: nn.Module, group=None, *, layout: Optional[str] = None, timeout: Optional[float] = None) -> ContextParallel:
+    """``ContextParallel(mha, group, layout=..., timeout=...)``: the module on a sharded sequence."""
+    return ContextParallel(mha, group, layout=layout, timeout=timeout)
