@@ -1,0 +1,255 @@
+"""An independent float64 oracle for attention, and the tolerance rule every path is held to.
+
+Nothing here imports multihead's backends: masks are built from a plain description
+(:class:`MaskPart`) straight into dense tensors, and attention is written out op by op, so a
+bug in ``multihead.masks`` or in a backend cannot hide by being copied into the oracle.
+
+The tolerance rule (flash-attn's): a path computed from inputs in ``dtype`` may differ from the
+float64 oracle by at most twice the error of the plain naive attention computed entirely in
+``dtype`` (no upcast anywhere), plus a tiny floor::
+
+    path_error <= 2 * naive_error + floor,   floor = FLOOR_ULPS * eps(dtype) * size_of_terms
+
+Floor: rounding an exact result to ``dtype`` costs at most half an ulp, i.e. eps/2 * |x|; a correct
+path may round its final cast, its accumulation order and its rescaling differently from the naive
+code, so we allow a few such roundings (FLOOR_ULPS = 4) of the size of the terms that are summed.
+For the output ``sum_j p_j v_j`` (p_j >= 0, sum p_j = 1) that size is max|v|; in general
+(gradients, the module's projections) it is measured by running the float64 oracle on the
+absolute values of the inputs, which removes sign cancellation from every sum (a gradient entry
+that is a sum of 31 terms of size 1 may cancel to 0.04; its rounding error is still that of
+terms of size 1). The floor matters where the naive error is small by luck: one key (the weight
+is exactly 1), or a tiny tensor whose few rounding errors happen to cancel.
+
+float64 is the oracle's own precision, so the naive float64 error cannot be measured against
+it. To first order a rounding error is proportional to the unit roundoff, so for float64 the
+naive error is estimated as ``naive_error(float32) * eps(float64) / eps(float32)``: the same
+problem's sensitivity to rounding, scaled to float64.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+import multihead.masks as mmasks
+
+FLOOR_ULPS = 4
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+# --------------------------------------------------------------------------- masks
+@dataclass
+class MaskPart:
+    """One mask in plain words: ``kind`` and its parameters.
+
+    kinds: "causal" (align), "window" (left, right, align), "key_padding" (tensor (B, Lk),
+    True = real token), "keep" (bool tensor, True = may attend), "bias" (float tensor),
+    "torch" (nn.MultiheadAttention masks, True = blocked: attn_mask and/or key_padding_mask),
+    each tensor broadcastable to (B, H, Lq, Lk) as the kind allows. ``raw`` passes a keep/bias
+    tensor as a plain tensor instead of through the constructor.
+    """
+
+    kind: str
+    align: str = "bottom_right"
+    left: Optional[int] = None
+    right: Optional[int] = None
+    tensor: Optional[torch.Tensor] = None
+    padding: Optional[torch.Tensor] = None
+    raw: bool = False
+
+    def to_multihead(self):
+        """The multihead mask object (or plain tensor) for this part."""
+        if self.kind == "causal":
+            return mmasks.causal(self.align)
+        if self.kind == "window":
+            return mmasks.window(self.left, self.right, align=self.align)
+        if self.kind == "key_padding":
+            return mmasks.key_padding(self.tensor)
+        if self.kind == "keep":
+            return self.tensor if self.raw else mmasks.keep(self.tensor)
+        if self.kind == "bias":
+            return self.tensor if self.raw else mmasks.bias(self.tensor)
+        if self.kind == "torch":
+            return mmasks.from_torch(attn_mask=self.tensor, key_padding_mask=self.padding)
+        raise AssertionError(self.kind)
+
+
+def combine(parts: list) -> object:
+    """multihead's mask for ``parts`` joined with ``&`` (None for no parts).
+
+    A raw tensor meets ``&`` only with a mask object on its other side (two raw tensors would be
+    torch's own ``&``): ``Mask & tensor`` and ``tensor & Mask`` are both exercised.
+    """
+    mask = None
+    for part in parts:
+        m = part.to_multihead()
+        if isinstance(mask, torch.Tensor) and isinstance(m, torch.Tensor):
+            mask = mmasks.as_mask(mask)
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def dense(parts: list, B: int, H: int, Lq: int, Lk: int, *, dtype=torch.float64):
+    """keep (B, H, Lq, Lk) bool and bias (B, H, Lq, Lk) in ``dtype`` for ``parts``, from the spec.
+
+    Query i sees key j when j <= i + offset (causal), and i + offset - left <= j <= i + offset + right
+    (window), offset = Lk - Lq for bottom-right alignment and 0 for top-left.
+    """
+    keep = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    bias = torch.zeros(B, H, Lq, Lk, dtype=dtype)
+    rows = torch.arange(Lq).view(Lq, 1)
+    cols = torch.arange(Lk).view(1, Lk)
+    for p in parts:
+        offset = (Lk - Lq) if p.align == "bottom_right" else 0
+        diag = rows + offset  # the key each query's diagonal sits on
+        if p.kind == "causal":
+            keep = keep & (cols <= diag)
+        elif p.kind == "window":
+            ok = torch.ones(Lq, Lk, dtype=torch.bool)
+            if p.left is not None:
+                ok = ok & (cols >= diag - p.left)
+            if p.right is not None:
+                ok = ok & (cols <= diag + p.right)
+            keep = keep & ok
+        elif p.kind == "key_padding":
+            keep = keep & p.tensor.view(B, 1, 1, Lk)
+        elif p.kind == "keep":
+            keep = keep & p.tensor
+        elif p.kind == "bias":
+            bias = bias + p.tensor.to(dtype)
+        elif p.kind == "torch":
+            if p.tensor is not None:
+                t = p.tensor.reshape(B, H, Lq, Lk) if p.tensor.dim() == 3 else p.tensor
+                if t.dtype == torch.bool:
+                    keep = keep & ~t  # nn.MultiheadAttention: True = blocked
+                else:
+                    bias = bias + t.to(dtype)
+            if p.padding is not None:
+                if p.padding.dtype == torch.bool:
+                    keep = keep & ~p.padding.view(B, 1, 1, Lk)
+                else:
+                    bias = bias + p.padding.view(B, 1, 1, Lk).to(dtype)
+        else:
+            raise AssertionError(p.kind)
+    return keep, bias
+
+
+# --------------------------------------------------------------------------- attention
+def _probabilities(q, k, keep, bias, scale):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    top = s.detach().amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(s.shape[:-1] + (1,))
+    top = top.masked_fill(top == -math.inf, 0)
+    e = torch.exp(s - top)
+    z = e.sum(dim=-1, keepdim=True)
+    return e / z.masked_fill(z == 0, 1)
+
+
+def naive_attention(q, k, v, keep, bias, scale: float, dtype: torch.dtype, *, term_sizes: bool = False):
+    """softmax(q kᵀ · scale + bias, -inf where not keep) v, every op in ``dtype``.
+
+    q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), keep/bias (B, H, Lq, Lk) -> (B, H, Lq, Dv).
+    Query head i reads key/value head i // (H // Hkv). A row with no visible key gives 0.
+
+    ``term_sizes=True`` (with non-negative q, k, v and upstream gradient) gives the size of the
+    terms summed in every output and gradient entry instead, see :class:`_TermSizes`.
+    """
+    H, Hkv = q.shape[1], k.shape[1]
+    kv_head = torch.arange(H) // (H // Hkv)
+    q, k, v = q.to(dtype), k.to(dtype)[:, kv_head], v.to(dtype)[:, kv_head]
+    bias = None if bias is None else bias.to(dtype)
+    if term_sizes:
+        return _TermSizes.apply(q, k, v, keep, bias, scale)
+    return torch.matmul(_probabilities(q, k, keep, bias, scale), v)
+
+
+class _TermSizes(torch.autograd.Function):
+    """Attention whose backward adds magnitudes instead of cancelling them (a running error bound).
+
+    The softmax gradient ``dS = P * (dP - rowsum(P * dP))`` subtracts; its rounding error is
+    that of its terms, ``P * (|dP| + rowsum(P * |dP|))``, not that of the (possibly tiny) difference.
+    Every product here is of non-negative tensors, so nothing cancels.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, scale):
+        p = _probabilities(q, k, keep, bias, scale)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return torch.matmul(p, v)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, p = ctx.saved_tensors
+        d_p = torch.matmul(grad_out.abs(), v.abs().transpose(-1, -2))
+        d_s = p * (d_p + (p * d_p).sum(-1, keepdim=True))
+        d_q = ctx.scale * torch.matmul(d_s, k.abs())
+        d_k = ctx.scale * torch.matmul(d_s.transpose(-1, -2), q.abs())
+        d_v = torch.matmul(p.transpose(-1, -2), grad_out.abs())
+        return d_q, d_k, d_v, None, d_s if ctx.needs_input_grad[4] else None, None
+
+
+def naive_weights(q, k, keep, bias, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The softmax probabilities (B, H, Lq, Lk) of :func:`naive_attention`, in ``dtype``."""
+    Lk = k.shape[2]
+    eye = torch.eye(Lk, dtype=dtype).expand(k.shape[0], k.shape[1], Lk, Lk)
+    return naive_attention(q, k, eye, keep, bias, scale, dtype)
+
+
+# --------------------------------------------------------------------------- tolerance
+@dataclass
+class Verdict:
+    what: str
+    error: float
+    naive_error: float
+    floor: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def bound(self) -> float:
+        return 2 * self.naive_error + self.floor
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+    def __str__(self) -> str:
+        return (f"{self.what}: error {self.error:.3e} > bound {self.bound:.3e} "
+                f"(2 x naive {self.naive_error:.3e} + floor {self.floor:.3e}) {self.details}")
+
+
+def max_abs_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if got.numel() == 0:
+        return 0.0
+    return (got.double() - ref.double()).abs().max().item()
+
+
+def judge(what: str, got: torch.Tensor, oracle: torch.Tensor, naive: Callable[[torch.dtype], torch.Tensor],
+          dtype: torch.dtype, *, terms: Optional[torch.Tensor] = None, **details) -> Verdict:
+    """Hold ``got`` (computed from ``dtype`` inputs) to the rule in the module docstring.
+
+    ``naive(dt)`` returns the naive result computed entirely in ``dt``; ``terms`` is the oracle
+    run on absolute values (the size of the summed terms; default: the oracle itself).
+    """
+    assert got.shape == oracle.shape, f"{what}: shape {tuple(got.shape)} != {tuple(oracle.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values where the oracle is finite"
+    if dtype == torch.float64:
+        naive_error = max_abs_error(naive(torch.float32), oracle) * eps(torch.float64) / eps(torch.float32)
+    else:
+        naive_error = max_abs_error(naive(dtype), oracle)
+    size = max((t.abs().max().item() for t in (oracle, terms) if t is not None and t.numel()), default=0.0)
+    floor = FLOOR_ULPS * eps(dtype) * size
+    return Verdict(what, max_abs_error(got, oracle), naive_error, floor, details)
