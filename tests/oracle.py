@@ -8,17 +8,27 @@ The tolerance rule (flash-attn's): a path computed from inputs in ``dtype`` may 
 float64 oracle by at most twice the error of the plain naive attention computed entirely in
 ``dtype`` (no upcast anywhere), plus a tiny floor::
 
-    path_error <= 2 * naive_error + floor,   floor = FLOOR_ULPS * eps(dtype) * size_of_terms
+    path_error <= 2 * naive_error + floor
+    floor = size * (FLOOR_ULPS * eps(dtype) + (sqrt(D) + 2) * S * eps(compute dtype))
 
-Floor: rounding an exact result to ``dtype`` costs at most half an ulp, i.e. eps/2 * |x|; a correct
-path may round its final cast, its accumulation order and its rescaling differently from the naive
-code, so we allow a few such roundings (FLOOR_ULPS = 4) of the size of the terms that are summed.
-For the output ``sum_j p_j v_j`` (p_j >= 0, sum p_j = 1) that size is max|v|; in general
-(gradients, the module's projections) it is measured by running the float64 oracle on the
-absolute values of the inputs, which removes sign cancellation from every sum (a gradient entry
-that is a sum of 31 terms of size 1 may cancel to 0.04; its rounding error is still that of
-terms of size 1). The floor matters where the naive error is small by luck: one key (the weight
-is exactly 1), or a tiny tensor whose few rounding errors happen to cancel.
+Floor, first part: rounding an exact result to ``dtype`` costs at most half an ulp, eps/2 * |x|;
+a correct path may round its final cast, its accumulation order and its rescaling differently
+from the naive code, so we allow a few such roundings (FLOOR_ULPS = 4) of ``size``, the size of
+the terms that are summed. For the output ``sum_j p_j v_j`` (p_j >= 0, sum p_j = 1) that size is
+max|v|; in general (gradients, the module's projections) it is measured by running the float64
+oracle on absolute values with a backward that adds magnitudes (:class:`_TermSizes`), so no sum
+cancels: a gradient entry that is a sum of 31 terms of size 1 may cancel to 0.04, but its
+rounding error is still that of terms of size 1.
+
+Floor, second part: every probability is exp(score - max). A path that forms a score in another
+order rounds it differently, by up to about (sqrt(D) + 2) * S * eps (D products summed, then the
+scale and the bias; S = scale * sum_d |q_d k_d| + |bias| is the size of the score's terms), and
+exp turns that absolute error into the same relative error of every probability, hence of
+every term. The scores are formed in the compute dtype (float32 for float16/bfloat16 inputs).
+
+The floor matters where the naive error is small by luck: one key (the weight is exactly 1), a
+tiny tensor whose few rounding errors happen to cancel, or float32 and float64, where the path
+and the naive code round at the same precision and either may be the luckier.
 
 float64 is the oracle's own precision, so the naive float64 error cannot be measured against
 it. To first order a rounding error is proportional to the unit roundoff, so for float64 the
@@ -158,22 +168,40 @@ def _probabilities(q, k, keep, bias, scale):
     return e / z.masked_fill(z == 0, 1)
 
 
-def naive_attention(q, k, v, keep, bias, scale: float, dtype: torch.dtype, *, term_sizes: bool = False):
+def naive_attention(q, k, v, keep, bias, scale: float, dtype: torch.dtype, *, term_sizes: Optional[dict] = None):
     """softmax(q kᵀ · scale + bias, -inf where not keep) v, every op in ``dtype``.
 
     q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), keep/bias (B, H, Lq, Lk) -> (B, H, Lq, Dv).
     Query head i reads key/value head i // (H // Hkv). A row with no visible key gives 0.
 
-    ``term_sizes=True`` (with non-negative q, k, v and upstream gradient) gives the size of the
-    terms summed in every output and gradient entry instead, see :class:`_TermSizes`.
+    ``term_sizes`` (a dict; with non-negative q, k, v and upstream gradient) gives the size of
+    the terms summed in every output and gradient entry instead, see :class:`_TermSizes`, and
+    records in ``term_sizes["score"]`` the largest size of a visible score's terms,
+    ``scale * sum_d |q_d k_d| + |bias|``.
     """
     H, Hkv = q.shape[1], k.shape[1]
     kv_head = torch.arange(H) // (H // Hkv)
     q, k, v = q.to(dtype), k.to(dtype)[:, kv_head], v.to(dtype)[:, kv_head]
     bias = None if bias is None else bias.to(dtype)
-    if term_sizes:
+    if term_sizes is not None:
+        term_sizes["score"] = max(term_sizes.get("score", 0.0), score_size(q, k, keep, bias, scale))
         return _TermSizes.apply(q, k, v, keep, bias, scale)
     return torch.matmul(_probabilities(q, k, keep, bias, scale), v)
+
+
+def score_size(q, k, keep, bias, scale: float) -> float:
+    """The largest size of a visible score's terms, ``scale * sum_d |q_d k_d| + |bias|``.
+
+    q (B, H, Lq, D), k (B, H or Hkv, Lk, D); keep/bias (B, H, Lq, Lk) or None."""
+    with torch.no_grad():
+        kv_head = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+        size = scale * torch.matmul(q.double().abs(), k.double()[:, kv_head].abs().transpose(-1, -2))
+        if bias is not None:
+            size = size + bias.double().abs().nan_to_num(posinf=0.0)
+            size = size.masked_fill(bias == -math.inf, 0)
+        if keep is not None:
+            size = size.masked_fill(~keep, 0)
+    return size.max().item() if size.numel() else 0.0
 
 
 class _TermSizes(torch.autograd.Function):
@@ -238,11 +266,13 @@ def max_abs_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def judge(what: str, got: torch.Tensor, oracle: torch.Tensor, naive: Callable[[torch.dtype], torch.Tensor],
-          dtype: torch.dtype, *, terms: Optional[torch.Tensor] = None, **details) -> Verdict:
+          dtype: torch.dtype, *, terms: Optional[torch.Tensor] = None, score_size: float = 0.0,
+          head_dim: int = 1, **details) -> Verdict:
     """Hold ``got`` (computed from ``dtype`` inputs) to the rule in the module docstring.
 
     ``naive(dt)`` returns the naive result computed entirely in ``dt``; ``terms`` is the oracle
-    run on absolute values (the size of the summed terms; default: the oracle itself).
+    run on absolute values (the size of the summed terms; default: the oracle itself);
+    ``score_size`` the largest size of a score's terms and ``head_dim`` the length of its sum.
     """
     assert got.shape == oracle.shape, f"{what}: shape {tuple(got.shape)} != {tuple(oracle.shape)}"
     assert torch.isfinite(got).all(), f"{what}: non-finite values where the oracle is finite"
@@ -251,5 +281,6 @@ def judge(what: str, got: torch.Tensor, oracle: torch.Tensor, naive: Callable[[t
     else:
         naive_error = max_abs_error(naive(dtype), oracle)
     size = max((t.abs().max().item() for t in (oracle, terms) if t is not None and t.numel()), default=0.0)
-    floor = FLOOR_ULPS * eps(dtype) * size
+    compute = torch.float32 if dtype in LOW_PRECISION else dtype
+    floor = size * (FLOOR_ULPS * eps(dtype) + (math.sqrt(head_dim) + 2) * score_size * eps(compute))
     return Verdict(what, max_abs_error(got, oracle), naive_error, floor, details)

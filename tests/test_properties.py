@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import backends
-from oracle import FLOAT_DTYPES, MaskPart, combine, dense, judge, naive_attention, naive_weights
+from oracle import FLOAT_DTYPES, MaskPart, combine, dense, judge, naive_attention, naive_weights, score_size
 
 MAX_LEN = 70
 
@@ -170,26 +170,30 @@ def forward_backward(fn, leaves, grad_out, *, absolute=False):
     return out.detach(), {n: (torch.zeros_like(leaves[n]) if g is None else g) for n, g in zip(names, grads)}
 
 
-def oracle_run(case: Case, dtype: torch.dtype, absolute=False):
+def oracle_run(case: Case, dtype: torch.dtype, sizes=None):
     """The naive attention and its gradients with every leaf and op in ``dtype``."""
     def fn(leaves):
         q, k, v, parts = case.assemble(leaves)
         keep, bias = dense(parts, case.B, case.H, case.Lq, case.Lk, dtype=dtype)
-        return naive_attention(q, k, v, keep, bias, case.scale_value, dtype, term_sizes=absolute)
+        return naive_attention(q, k, v, keep, bias, case.scale_value, dtype, term_sizes=sizes)
 
-    return forward_backward(fn, case.leaves(dtype), case.grad_out, absolute=absolute)
+    return forward_backward(fn, case.leaves(dtype), case.grad_out, absolute=sizes is not None)
 
 
 class Oracle:
     """float64 results, the size of their terms, and the naive results in any dtype (each computed once).
 
-    ``run(dtype, absolute=False)`` returns (out, {name: grad}).
+    ``run(dtype)`` returns (out, {name: grad}); ``run(dtype, sizes={})`` the sizes of their terms
+    and, in ``sizes["score"]``, the size of the scores' terms (see :func:`oracle.judge`).
+    ``head_dim``: the length of the longest sum that forms a score.
     """
 
-    def __init__(self, run):
+    def __init__(self, run, head_dim: int):
         self._run, self._cache = run, {}
         self.out, self.grads = self.at(torch.float64)
-        self.terms_out, self.terms_grads = run(torch.float64, absolute=True)
+        sizes: dict = {}
+        self.terms_out, self.terms_grads = run(torch.float64, sizes=sizes)
+        self.score_size, self.head_dim = sizes.get("score", 0.0), head_dim
 
     def at(self, dtype):
         if dtype not in self._cache:
@@ -198,13 +202,14 @@ class Oracle:
 
 
 def assert_agrees(what, out, grads, oracle: Oracle, dtype, **details):
+    sizes = dict(score_size=oracle.score_size, head_dim=oracle.head_dim)
     verdicts = [judge(f"{what} output", out, oracle.out, lambda dt: oracle.at(dt)[0], dtype,
-                      terms=oracle.terms_out, **details)]
+                      terms=oracle.terms_out, **sizes, **details)]
     for name, g in grads.items():
         # a leaf in another dtype (a float32 bias beside float64 q) has its gradient rounded to that dtype
         leaf_dtype = max((dtype, g.dtype), key=lambda dt: torch.finfo(dt).eps)
         verdicts.append(judge(f"{what} grad {name}", g, oracle.grads[name], lambda dt, n=name: oracle.at(dt)[1][n],
-                              leaf_dtype, terms=oracle.terms_grads[name], **details))
+                              leaf_dtype, terms=oracle.terms_grads[name], **sizes, **details))
     failed = [str(v) for v in verdicts if not v.ok]
     assert not failed, "\n".join(failed)
 
@@ -219,7 +224,7 @@ def describe(case: Case) -> str:
 def test_every_backend_matches_float64_oracle(case):
     """Output and gradients (q, k, v, bias masks) of each backend vs the float64 oracle."""
     note(describe(case))
-    oracle = Oracle(lambda dt, absolute=False: oracle_run(case, dt, absolute))
+    oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
     for name in backends.names():
         def fn(leaves, name=name):
             q, k, v, parts = case.assemble(leaves)
@@ -242,7 +247,9 @@ def test_attention_weights_match_float64_oracle(case):
         return naive_weights(q.detach().to(dt), k.detach().to(dt), keep, bias, case.scale_value, dt)
 
     ref = naive(torch.float64)
-    verdict = judge("attention_weights", got, ref, naive, case.dtype)
+    keep, bias = dense(parts, case.B, case.H, case.Lq, case.Lk)
+    verdict = judge("attention_weights", got, ref, naive, case.dtype, head_dim=case.D,
+                    score_size=score_size(q, k, keep, bias, case.scale_value))
     assert verdict.ok, str(verdict)
     visible = ref.sum(-1) > 0
     sums = got.double().sum(-1)
@@ -341,7 +348,7 @@ def module_cases(draw):
                       B, Lq, Lk, cross, dtype, seed, parts)
 
 
-def module_oracle(case: ModuleCase, params: dict, dtype: torch.dtype, absolute=False):
+def module_oracle(case: ModuleCase, params: dict, dtype: torch.dtype, sizes=None):
     """The module written out with F.linear, reshapes and the naive attention, all in ``dtype``."""
     leaves, grad_out = case.inputs(dtype)
     leaves.update({n: p.detach().to(dtype).requires_grad_(True) for n, p in params.items()})
@@ -360,11 +367,11 @@ def module_oracle(case: ModuleCase, params: dict, dtype: torch.dtype, absolute=F
 
         q, k, v = proj(x, "q_proj", case.H), proj(y, "k_proj", case.Hkv), proj(z, "v_proj", case.Hkv)
         keep, bias = dense(parts, case.B, case.H, case.Lq, case.Lk, dtype=dtype)
-        o = naive_attention(q, k, v, keep, bias, case.head_dim ** -0.5, dtype, term_sizes=absolute)
+        o = naive_attention(q, k, v, keep, bias, case.head_dim ** -0.5, dtype, term_sizes=sizes)
         o = o.transpose(1, 2).reshape(case.B, case.Lq, case.d_out)
         return F.linear(o, lv["out_proj.weight"], lv.get("out_proj.bias"))
 
-    return forward_backward(fn, leaves, grad_out, absolute=absolute)
+    return forward_backward(fn, leaves, grad_out, absolute=sizes is not None)
 
 
 @given(case=module_cases())
@@ -373,7 +380,9 @@ def test_module_and_its_paths_match_float64_oracle(case):
     note(str(case))
     reference = case.build()
     params = dict(reference.named_parameters())
-    oracle = Oracle(lambda dt, absolute=False: module_oracle(case, params, dt, absolute))
+    # a score sums head_dim products of projections that each summed d_in or kdim products
+    oracle = Oracle(lambda dt, sizes=None: module_oracle(case, params, dt, sizes),
+                    head_dim=case.head_dim + case.d_in + case.kdim)
     mask = combine(case.parts)
 
     def check(what, module, **kwargs):
@@ -416,7 +425,10 @@ def test_module_weights_match_float64_oracle(case):
                            case.B, case.H, case.Lq, case.Lk, dtype=dt)
         return naive_weights(q, k, keep, bias, case.head_dim ** -0.5, dt)
 
-    verdict = judge("module weights", got, naive(torch.float64), naive, case.dtype)
+    sizes: dict = {}
+    module_oracle(case, dict(mha.named_parameters()), torch.float64, sizes)
+    verdict = judge("module weights", got, naive(torch.float64), naive, case.dtype, score_size=sizes["score"],
+                    head_dim=case.head_dim + case.d_in + case.kdim)
     assert verdict.ok, str(verdict)
 
 
@@ -438,7 +450,8 @@ def test_from_torch_matches_nn_multihead_attention(case):
     attn_mask = torch.rand(case.Lq, case.Lk, generator=gen) < 0.3  # True = blocked
     padding = torch.rand(case.B, case.Lk, generator=gen) < 0.3  # True = padding
     case.parts = [MaskPart("torch", tensor=attn_mask, padding=padding)]
-    oracle = Oracle(lambda dt, absolute=False: module_oracle(case, dict(mha.named_parameters()), dt, absolute))
+    oracle = Oracle(lambda dt, sizes=None: module_oracle(case, dict(mha.named_parameters()), dt, sizes),
+                    head_dim=case.head_dim + case.d_in + case.kdim)
 
     leaves, _ = case.inputs(torch.float64)
     x, y, z = (list(case.args(leaves)) + [None, None])[:3]
@@ -446,12 +459,12 @@ def test_from_torch_matches_nn_multihead_attention(case):
     z = y if z is None else z
     with torch.no_grad():
         ours = mha(*case.args(leaves), mask=combine(case.parts))
-        want, _ = theirs(x, y, z, attn_mask=attn_mask, key_padding_mask=padding, need_weights=False)
+        want, _ = theirs(x, y, z, attn_mask=attn_mask, key_padding_mask=padding)  # need_weights=True, its default
     blind = (attn_mask[None] | padding[:, None]).all(-1)  # (B, Lq): no visible key
     assert (ours[blind] == 0).all()
     for what, got in (("multihead", ours), ("nn.MultiheadAttention", want)):
         verdict = judge(what, got[~blind], oracle.out[~blind], lambda dt: oracle.at(dt)[0][~blind], case.dtype,
-                        terms=oracle.terms_out[~blind])
+                        terms=oracle.terms_out[~blind], score_size=oracle.score_size, head_dim=oracle.head_dim)
         assert verdict.ok, str(verdict)
-    # upstream: nn.MultiheadAttention returns NaN on such rows (ours gives 0)
+    # upstream (torch 2.13): with need_weights=True nn.MultiheadAttention returns NaN on such rows
     assert torch.isnan(want[blind]).all()

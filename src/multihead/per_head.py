@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from . import masks as _masks
-from ._checks import check_heads, check_positive_int
+from ._checks import check_heads, check_module_inputs, check_positive_int
 from .backends.reference import compute_dtype
 from .config import AttentionConfig
 from .functional import attention
@@ -76,10 +76,9 @@ class PerHeadAttention(nn.Module):
     def forward(self, query, key=None, value=None, *, mask=None) -> torch.Tensor:
         """(B, Lq, d_in) [, (B, Lk, kdim) [, (B, Lk, vdim)]] -> (B, Lq, d_out)."""
         cfg = self.config
-        if query.dim() != 3 or query.shape[-1] != cfg.d_in:
-            raise ValueError(f"query must be (B, Lq, d_in={cfg.d_in}), got shape {tuple(query.shape)}")
         key = query if key is None else key
         value = key if value is None else value
+        check_module_inputs(cfg, self.out_proj.weight, query, key, value)
         m = _masks.as_mask(mask)
         if cfg.causal:
             m = _masks.causal() if m is None else _masks.causal() & m
@@ -115,6 +114,10 @@ def _split_mask_by_head(m, shape, query) -> list:
 
 def to_per_head(mha) -> PerHeadAttention:
     """Split a MultiHeadAttention into independent heads; GQA K/V projections are copied to every head that reads them."""
+    from .module import MultiHeadAttention
+
+    if not isinstance(mha, MultiHeadAttention):
+        raise TypeError(f"to_per_head takes a MultiHeadAttention, got {type(mha).__name__}")
     c = mha.config
     w0 = mha.q_proj.weight
     p = PerHeadAttention(c.d_in, c.num_heads, c.d_out, kdim=c.kdim, vdim=c.vdim, bias=c.bias,
