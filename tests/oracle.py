@@ -238,6 +238,17 @@ def naive_weights(q, k, keep, bias, scale: float, dtype: torch.dtype) -> torch.T
 
 
 # --------------------------------------------------------------------------- tolerance
+def row_sum_bound(dtype: torch.dtype, lk: int) -> float:
+    """How far from 1 a row of probabilities over ``lk`` keys may sum, for ``dtype`` inputs.
+
+    The probabilities are computed in float32 (float64 for float64 inputs): each p_j = e_j / z
+    with z summed over lk terms, so |sum p - 1| <= (lk + 2) u_compute; rounding each p_j to
+    dtype adds at most u_dtype * sum p = u_dtype (u = eps / 2).
+    """
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return (lk + 2) * eps(compute) / 2 + eps(dtype) / 2
+
+
 @dataclass
 class Verdict:
     what: str

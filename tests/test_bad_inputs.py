@@ -25,6 +25,7 @@ from multihead import backends, masks
 from multihead.cli import main as cli_main
 from multihead.interop import to_torch
 from multihead.per_head import from_per_head, to_per_head
+from oracle import FLOOR_ULPS
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 5, 6, 8, 3
 
@@ -474,3 +475,21 @@ def test_bias_of_another_float_dtype_is_cast(backend):
         assert torch.equal(got, multihead.attention(Q, K, V, bias.float(), backend=backend))
         assert got.dtype == torch.float32
     assert torch.isfinite(want).all()
+
+
+@pytest.mark.parametrize("backend", backends.names())
+@pytest.mark.parametrize("shape", [(), (LK,), (1, LK), (LQ, 1), (1, 1, 1, 1)])
+def test_masks_of_few_dimensions_broadcast(backend, shape):
+    """A keep or bias tensor of fewer than 2 dimensions (a scalar, a (Lk,) row) broadcasts like any
+    other (it reached torch SDPA as is and failed with an IndexError)."""
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(shape, generator=g) < 0.7
+    bias = torch.randn(shape, generator=g)
+    for mask in (keep, bias, masks.keep(keep) & masks.bias(bias)):
+        got = multihead.attention(Q, K, V, mask, backend=backend)
+        dense = mask if isinstance(mask, masks.Mask) else mask.expand(B, H, LQ, LK).clone()
+        want = multihead.attention(Q, K, V, dense, backend="reference")
+        # two float32 paths, each a few ulps of max|v| from the exact result (tests/oracle.py)
+        atol = 2 * FLOOR_ULPS * torch.finfo(torch.float32).eps * V.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
