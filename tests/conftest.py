@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 settings.register_profile(
-    "default", max_examples=40, derandomize=True, database=None, deadline=None,
+    "default", max_examples=75, derandomize=True, database=None, deadline=None,
     suppress_health_check=_SLOW_OK, print_blob=True,
 )
 settings.register_profile(

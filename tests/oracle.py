@@ -44,9 +44,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import pytest
 import torch
 
 import multihead.masks as mmasks
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one intra-op thread for a test module, restored afterwards. The tensors in these
+    tests are tiny: extra threads only add synchronisation, which on a busy 2-core machine made
+    the suite four times slower in wall time. A test module imports it and
+    sets ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 FLOOR_ULPS = 4
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -25,7 +25,9 @@ from multihead import backends, masks
 from multihead.cli import main as cli_main
 from multihead.interop import to_torch
 from multihead.per_head import from_per_head, to_per_head
-from oracle import FLOOR_ULPS
+from oracle import FLOOR_ULPS, one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 5, 6, 8, 3
 

@@ -11,6 +11,9 @@ import torch
 
 import multihead
 from multihead import backends, masks
+from oracle import one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
 def inputs(seed=0):

@@ -14,7 +14,9 @@ import torch
 
 import multihead
 from multihead import backends, masks
-from oracle import FLOOR_ULPS, LOW_PRECISION, eps, naive_attention, row_sum_bound
+from oracle import FLOOR_ULPS, LOW_PRECISION, eps, naive_attention, one_thread, row_sum_bound
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 D = 64
 SIGNS = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0])  # the sign of each token's features

@@ -25,7 +25,10 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import backends
-from oracle import FLOAT_DTYPES, MaskPart, combine, dense, judge, naive_attention, naive_weights, row_sum_bound, score_size
+from oracle import (FLOAT_DTYPES, MaskPart, combine, dense, judge, naive_attention, naive_weights, one_thread,
+                    row_sum_bound, score_size)
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 MAX_LEN = 70
 
