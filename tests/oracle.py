@@ -47,7 +47,9 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+import multihead
 import multihead.masks as mmasks
+from multihead import backends
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,37 @@ FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
+
+
+# --------------------------------------------------------------------------- declared refusals
+def declined(backend: str, q, k, v, mask=None, dropout_p: float = 0.0) -> Optional[str]:
+    """Why ``backend`` declines this call, or None. By the registry's contract a backend may
+    decline a call (the chunked backend declines dropout); asked for by name, it must then raise
+    a ValueError saying so -- see :func:`attention_or_refusal`."""
+    if backend == "auto":
+        return None
+    call = backends.Call(q=q, k=k, v=v, mask=mmasks.as_mask(mask), dropout_p=dropout_p)
+    return backends.get(backend).refuses(call)
+
+
+def attention_or_refusal(backend: str, q, k, v, mask=None, **kwargs):
+    """``multihead.attention(...)``, or None after checking that a backend which declines the
+    call says so by name."""
+    if declined(backend, q, k, v, mask, kwargs.get("dropout_p", 0.0)):
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run this call"):
+            multihead.attention(q, k, v, mask, backend=backend, **kwargs)
+        return None
+    return multihead.attention(q, k, v, mask, backend=backend, **kwargs)
+
+
+def module_or_refusal(backend: str, module, *args, **kwargs):
+    """``module(*args, **kwargs)``, or None when its backend declines the call by name."""
+    try:
+        return module(*args, **kwargs)
+    except ValueError as e:
+        if backend == "auto" or f"backend '{backend}' cannot run this call" not in str(e):
+            raise
+        return None
 
 
 # --------------------------------------------------------------------------- masks

@@ -14,7 +14,8 @@ import torch
 
 import multihead
 from multihead import backends, masks
-from oracle import FLOOR_ULPS, LOW_PRECISION, eps, naive_attention, one_thread, row_sum_bound
+from oracle import (FLOOR_ULPS, LOW_PRECISION, attention_or_refusal, eps, module_or_refusal, naive_attention, one_thread,
+                    row_sum_bound)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -120,7 +121,9 @@ def blind_row_setup(dtype=torch.float32):
 def test_row_with_no_visible_key_gives_zero_and_finite_grads(backend, dtype, dropout_p):
     (q, k, v), mask, bias, blind = blind_row_setup(dtype)
     torch.manual_seed(0)
-    out = multihead.attention(q, k, v, mask, dropout_p=dropout_p, backend=backend)
+    out = attention_or_refusal(backend, q, k, v, mask, dropout_p=dropout_p)
+    if out is None:
+        return
     assert torch.isfinite(out).all()
     assert (out[blind] == 0).all()
     out.sum().backward()
@@ -144,7 +147,9 @@ def test_module_row_with_no_visible_key(backend, training):
     padding[1] = False  # batch 1: every key is padding
     mask = masks.key_padding(padding) & masks.causal()
     for module in (mha, mha.to_per_head()):
-        out = module(x, mask=mask)
+        out = module_or_refusal(backend, module, x, mask=mask)
+        if out is None:
+            continue
         assert torch.isfinite(out).all()
         assert torch.equal(out[1], mha.out_proj.bias.expand(4, 8))
         out.square().sum().backward()

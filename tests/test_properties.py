@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import backends
-from oracle import (FLOAT_DTYPES, MaskPart, combine, dense, judge, naive_attention, naive_weights, one_thread,
+from oracle import (FLOAT_DTYPES, MaskPart, combine, declined, dense, judge, naive_attention, naive_weights, one_thread,
                     row_sum_bound, score_size)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -227,8 +227,8 @@ def refused(name: str, case: "Case") -> bool:
     """Whether backend ``name`` declines this call (a backend may, by the registry's contract);
     if so, asking for it by name must raise a ValueError that says so."""
     q, k, v, parts = case.assemble(case.leaves())
-    mask = multihead.masks.as_mask(combine(parts))
-    if name == "auto" or backends.get(name).refuses(backends.Call(q, k, v, mask, 0.0)) is None:
+    mask = combine(parts)
+    if declined(name, q, k, v, mask) is None:
         return False
     with pytest.raises(ValueError, match=f"backend '{name}' cannot run this call"):
         multihead.attention(q, k, v, mask, scale=case.scale, backend=name)
