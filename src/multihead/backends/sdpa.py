@@ -3,8 +3,7 @@
 A causal mask that SDPA can express as ``is_causal`` (top-left alignment, or Lq == Lk) goes to
 the kernel as such, so the kernel can skip the blocks above the diagonal; other masks are
 materialised to one tensor (bool when there is no bias, float otherwise). Grouped-query calls
-use ``enable_gqa``. Rows with no visible key give 0 (PyTorch >= 2.5 does this itself); an empty
-sequence (Lq = 0 or Lk = 0) runs the reference code, which gives the empty or zero result.
+use ``enable_gqa``. Rows with no visible key give 0 (PyTorch >= 2.5 does this itself).
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim.
 """
@@ -19,7 +18,6 @@ import torch.nn.functional as F
 from .. import trace as _trace
 from ..masks import Causal, Mask
 from . import Backend, Call, register
-from . import reference as _reference
 
 _KERNELS = {0: "math", 1: "flash attention", 2: "efficient attention", 3: "cuDNN attention", 4: "overrideable"}
 
@@ -51,8 +49,6 @@ def _kernel_name(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa) -> str:
 
 
 def sdpa_attention(q, k, v, mask, *, scale, dropout_p):
-    if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to attend: the reference's defined empty/zero result
-        return _reference.reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
     attn_mask, is_causal = sdpa_mask_args(
         mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), device=q.device, dtype=q.dtype
     )
