@@ -136,3 +136,48 @@ def check_choice(value, name: str, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
     return value
+
+
+def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
+    """query (B, Lq, d_in), key (B, Lk, kdim), value (B, Lk, vdim) for a module with settings
+    ``cfg`` (an AttentionConfig) whose weights are ``weight``'s dtype and device.
+
+    The same checks as ``MultiHeadAttention._check_inputs``, for :class:`PerHeadAttention`."""
+    check_tensor(query, "query")
+    if query.dim() == 2:
+        raise ValueError(
+            f"query has shape {tuple(query.shape)}: MultiHeadAttention is batch-first (B, L, d_in); "
+            "add the batch axis with query.unsqueeze(0)"
+        )
+    if query.dim() != 3:
+        raise ValueError(f"query must be (B, Lq, d_in), got shape {tuple(query.shape)}")
+    if query.shape[-1] != cfg.d_in:
+        raise ValueError(f"query has {query.shape[-1]} features but d_in={cfg.d_in}")
+    if query.dtype != weight.dtype:
+        raise TypeError(
+            f"query is {query.dtype} but the module's weights are {weight.dtype}; "
+            f"call mha.to({query.dtype}) or pass query.to({weight.dtype})"
+        )
+    if query.device != weight.device:
+        raise ValueError(
+            f"query is on {query.device} but the module is on {weight.device}; move one of them (mha.to(query.device))"
+        )
+    for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
+        check_tensor(t, name)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (B, Lk, {dim}), got shape {tuple(t.shape)}")
+        if t.shape[-1] != size:
+            raise ValueError(f"{name} has {t.shape[-1]} features but {dim}={size}")
+        if t.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"{name} has batch {t.shape[0]} but query has {query.shape[0]}; they must match"
+            )
+        if t.dtype != query.dtype or t.device != query.device:
+            raise TypeError(
+                f"{name} is {t.dtype} on {t.device} but query is {query.dtype} on {query.device}; "
+                "use one dtype and device"
+            )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"key has {key.shape[1]} tokens but value has {value.shape[1]}; they must match"
+        )

@@ -47,6 +47,10 @@ def from_torch(m: nn.MultiheadAttention):
 
 
 def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    from .module import MultiHeadAttention
+
+    if not isinstance(mha, MultiHeadAttention):
+        raise TypeError(f"to_torch takes a multihead.MultiHeadAttention, got {type(mha).__name__}")
     c = mha.config
     blockers = []
     if c.d_out != c.d_in:

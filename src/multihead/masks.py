@@ -370,7 +370,10 @@ def from_torch(attn_mask=None, key_padding_mask=None) -> Optional[Mask]:
     out: Optional[Mask] = None
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+            raise TypeError(
+                f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}; "
+                "wrap it with torch.as_tensor(attn_mask)"
+            )
         if attn_mask.dim() == 3:
             attn_mask = _TorchHeadsMask.wrap(attn_mask)
         if isinstance(attn_mask, Mask):
@@ -384,7 +387,8 @@ def from_torch(attn_mask=None, key_padding_mask=None) -> Optional[Mask]:
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor):
             raise TypeError(
-                f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}"
+                f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}; "
+                "wrap it with torch.as_tensor(key_padding_mask)"
             )
         if key_padding_mask.dim() != 2:
             raise ValueError(

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from . import masks as _masks
-from ._checks import check_heads, check_positive_int
+from ._checks import check_heads, check_module_inputs, check_positive_int
+from .backends.reference import compute_dtype
 from .config import AttentionConfig
 from .functional import attention
 
@@ -75,20 +76,48 @@ class PerHeadAttention(nn.Module):
     def forward(self, query, key=None, value=None, *, mask=None) -> torch.Tensor:
         """(B, Lq, d_in) [, (B, Lk, kdim) [, (B, Lk, vdim)]] -> (B, Lq, d_out)."""
         cfg = self.config
-        if query.dim() != 3 or query.shape[-1] != cfg.d_in:
-            raise ValueError(f"query must be (B, Lq, d_in={cfg.d_in}), got shape {tuple(query.shape)}")
         key = query if key is None else key
         value = key if value is None else value
+        check_module_inputs(cfg, self.out_proj.weight, query, key, value)
         m = _masks.as_mask(mask)
         if cfg.causal:
             m = _masks.causal() if m is None else _masks.causal() & m
         p = cfg.dropout if self.training else 0.0
-        outs = [head(query, key, value, m, p) for head in self.heads]
+        head_masks = _split_mask_by_head(m, (query.shape[0], cfg.num_heads, query.shape[1], key.shape[1]), query)
+        outs = [head(query, key, value, hm, p) for head, hm in zip(self.heads, head_masks)]
         return self.out_proj(torch.cat(outs, dim=-1))
+
+
+def _split_mask_by_head(m, shape, query) -> list:
+    """Head i's mask, (B, 1, Lq, Lk): a mask may differ per head (a keep or bias tensor with an H
+    axis, nn.MultiheadAttention's (B*H, Lq, Lk) attn_mask), so it is built for the whole
+    (B, H, Lq, Lk) = ``shape`` and sliced at head i."""
+    if m is None:
+        return [None] * shape[1]
+    m.check(shape, query.device)
+    built = m.materialize(shape, device=query.device, dtype=compute_dtype(query.dtype))
+
+    def head(t, i):
+        if t is None:
+            return None
+        t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # as (B|1, H|1, Lq|1, Lk|1)
+        return t[:, i:i + 1] if t.shape[1] > 1 else t
+
+    masks = []
+    for i in range(shape[1]):
+        keep, bias = head(built.keep, i), head(built.bias, i)
+        parts = [_masks.keep(keep)] if keep is not None else []
+        parts += [_masks.bias(bias)] if bias is not None else []
+        masks.append(parts[0] if len(parts) == 1 else parts[0] & parts[1])
+    return masks
 
 
 def to_per_head(mha) -> PerHeadAttention:
     """Split a MultiHeadAttention into independent heads; GQA K/V projections are copied to every head that reads them."""
+    from .module import MultiHeadAttention
+
+    if not isinstance(mha, MultiHeadAttention):
+        raise TypeError(f"to_per_head takes a MultiHeadAttention, got {type(mha).__name__}")
     c = mha.config
     w0 = mha.q_proj.weight
     p = PerHeadAttention(c.d_in, c.num_heads, c.d_out, kdim=c.kdim, vdim=c.vdim, bias=c.bias,

@@ -192,6 +192,8 @@ def trace(*, keep_values: bool = True) -> Trace:
 
     ``keep_values=False`` records shapes and checks only (no tensor copies).
     """
+    if not isinstance(keep_values, bool):
+        raise TypeError(f"keep_values must be True or False, got {keep_values!r}")
     return Trace(keep_values=keep_values)
 
 

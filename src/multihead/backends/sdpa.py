@@ -32,10 +32,12 @@ def sdpa_mask_args(mask: Optional[Mask], shape, *, device, dtype):
         return None, True
     mt = mask.materialize(shape, device=device, dtype=dtype)
     if mt.bias is None:
-        return mt.keep, False
-    if mt.keep is None:
-        return mt.bias, False
-    return mt.bias.masked_fill(~mt.keep, float("-inf")), False
+        t = mt.keep
+    elif mt.keep is None:
+        t = mt.bias
+    else:
+        t = mt.bias.masked_fill(~mt.keep, float("-inf"))
+    return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)), False  # SDPA wants at least (Lq|1, Lk|1)
 
 
 def _kernel_name(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa) -> str:

@@ -1,0 +1,344 @@
+"""An independent float64 oracle for attention, and the tolerance rule every path is held to.
+
+Nothing here imports multihead's backends: masks are built from a plain description
+(:class:`MaskPart`) straight into dense tensors, and attention is written out op by op, so a
+bug in ``multihead.masks`` or in a backend cannot hide by being copied into the oracle.
+
+The tolerance rule (flash-attn's): a path computed from inputs in ``dtype`` may differ from the
+float64 oracle by at most twice the error of the plain naive attention computed entirely in
+``dtype`` (no upcast anywhere), plus a tiny floor::
+
+    path_error <= 2 * naive_error + floor
+    floor = size * (FLOOR_ULPS * eps(dtype) + (sqrt(D) + 2) * S * eps(compute dtype))
+
+Floor, first part: rounding an exact result to ``dtype`` costs at most half an ulp, eps/2 * |x|;
+a correct path may round its final cast, its accumulation order and its rescaling differently
+from the naive code, so we allow a few such roundings (FLOOR_ULPS = 4) of ``size``, the size of
+the terms that are summed. For the output ``sum_j p_j v_j`` (p_j >= 0, sum p_j = 1) that size is
+max|v|; in general (gradients, the module's projections) it is measured by running the float64
+oracle on absolute values with a backward that adds magnitudes (:class:`_TermSizes`), so no sum
+cancels: a gradient entry that is a sum of 31 terms of size 1 may cancel to 0.04, but its
+rounding error is still that of terms of size 1.
+
+Floor, second part: every probability is exp(score - max). A path that forms a score in another
+order rounds it differently, by up to about (sqrt(D) + 2) * S * eps (D products summed, then the
+scale and the bias; S = scale * sum_d |q_d k_d| + |bias| is the size of the score's terms), and
+exp turns that absolute error into the same relative error of every probability, hence of
+every term. The scores are formed in the compute dtype (float32 for float16/bfloat16 inputs).
+
+The floor matters where the naive error is small by luck: one key (the weight is exactly 1), a
+tiny tensor whose few rounding errors happen to cancel, or float32 and float64, where the path
+and the naive code round at the same precision and either may be the luckier.
+
+float64 is the oracle's own precision, so the naive float64 error cannot be measured against
+it. To first order a rounding error is proportional to the unit roundoff, so for float64 the
+naive error is estimated as ``naive_error(float32) * eps(float64) / eps(float32)``: the same
+problem's sensitivity to rounding, scaled to float64.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+import multihead
+import multihead.masks as mmasks
+from multihead import backends
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one intra-op thread for a test module, restored afterwards. The tensors in these
+    tests are tiny: extra threads only add synchronisation, which on a busy 2-core machine made
+    the suite four times slower in wall time. A test module imports it and
+    sets ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+FLOOR_ULPS = 4
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+# --------------------------------------------------------------------------- declared refusals
+def declined(backend: str, q, k, v, mask=None, dropout_p: float = 0.0) -> Optional[str]:
+    """Why ``backend`` declines this call, or None. By the registry's contract a backend may
+    decline a call (the chunked backend declines dropout); asked for by name, it must then raise
+    a ValueError saying so -- see :func:`attention_or_refusal`."""
+    if backend == "auto":
+        return None
+    call = backends.Call(q=q, k=k, v=v, mask=mmasks.as_mask(mask), dropout_p=dropout_p)
+    return backends.get(backend).refuses(call)
+
+
+def attention_or_refusal(backend: str, q, k, v, mask=None, **kwargs):
+    """``multihead.attention(...)``, or None after checking that a backend which declines the
+    call says so by name."""
+    if declined(backend, q, k, v, mask, kwargs.get("dropout_p", 0.0)):
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run this call"):
+            multihead.attention(q, k, v, mask, backend=backend, **kwargs)
+        return None
+    return multihead.attention(q, k, v, mask, backend=backend, **kwargs)
+
+
+def module_or_refusal(backend: str, module, *args, **kwargs):
+    """``module(*args, **kwargs)``, or None when its backend declines the call by name."""
+    try:
+        return module(*args, **kwargs)
+    except ValueError as e:
+        if backend == "auto" or f"backend '{backend}' cannot run this call" not in str(e):
+            raise
+        return None
+
+
+# --------------------------------------------------------------------------- masks
+@dataclass
+class MaskPart:
+    """One mask in plain words: ``kind`` and its parameters.
+
+    kinds: "causal" (align), "window" (left, right, align), "key_padding" (tensor (B, Lk),
+    True = real token), "keep" (bool tensor, True = may attend), "bias" (float tensor),
+    "torch" (nn.MultiheadAttention masks, True = blocked: attn_mask and/or key_padding_mask),
+    each tensor broadcastable to (B, H, Lq, Lk) as the kind allows. ``raw`` passes a keep/bias
+    tensor as a plain tensor instead of through the constructor.
+    """
+
+    kind: str
+    align: str = "bottom_right"
+    left: Optional[int] = None
+    right: Optional[int] = None
+    tensor: Optional[torch.Tensor] = None
+    padding: Optional[torch.Tensor] = None
+    raw: bool = False
+
+    def to_multihead(self):
+        """The multihead mask object (or plain tensor) for this part."""
+        if self.kind == "causal":
+            return mmasks.causal(self.align)
+        if self.kind == "window":
+            return mmasks.window(self.left, self.right, align=self.align)
+        if self.kind == "key_padding":
+            return mmasks.key_padding(self.tensor)
+        if self.kind == "keep":
+            return self.tensor if self.raw else mmasks.keep(self.tensor)
+        if self.kind == "bias":
+            return self.tensor if self.raw else mmasks.bias(self.tensor)
+        if self.kind == "torch":
+            return mmasks.from_torch(attn_mask=self.tensor, key_padding_mask=self.padding)
+        raise AssertionError(self.kind)
+
+
+def combine(parts: list) -> object:
+    """multihead's mask for ``parts`` joined with ``&`` (None for no parts).
+
+    A raw tensor meets ``&`` only with a mask object on its other side (two raw tensors would be
+    torch's own ``&``): ``Mask & tensor`` and ``tensor & Mask`` are both exercised.
+    """
+    mask = None
+    for part in parts:
+        m = part.to_multihead()
+        if isinstance(mask, torch.Tensor) and isinstance(m, torch.Tensor):
+            mask = mmasks.as_mask(mask)
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def dense(parts: list, B: int, H: int, Lq: int, Lk: int, *, dtype=torch.float64):
+    """keep (B, H, Lq, Lk) bool and bias (B, H, Lq, Lk) in ``dtype`` for ``parts``, from the spec.
+
+    Query i sees key j when j <= i + offset (causal), and i + offset - left <= j <= i + offset + right
+    (window), offset = Lk - Lq for bottom-right alignment and 0 for top-left.
+    """
+    keep = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    bias = torch.zeros(B, H, Lq, Lk, dtype=dtype)
+    rows = torch.arange(Lq).view(Lq, 1)
+    cols = torch.arange(Lk).view(1, Lk)
+    for p in parts:
+        offset = (Lk - Lq) if p.align == "bottom_right" else 0
+        diag = rows + offset  # the key each query's diagonal sits on
+        if p.kind == "causal":
+            keep = keep & (cols <= diag)
+        elif p.kind == "window":
+            ok = torch.ones(Lq, Lk, dtype=torch.bool)
+            if p.left is not None:
+                ok = ok & (cols >= diag - p.left)
+            if p.right is not None:
+                ok = ok & (cols <= diag + p.right)
+            keep = keep & ok
+        elif p.kind == "key_padding":
+            keep = keep & p.tensor.view(B, 1, 1, Lk)
+        elif p.kind == "keep":
+            keep = keep & p.tensor
+        elif p.kind == "bias":
+            bias = bias + p.tensor.to(dtype)
+        elif p.kind == "torch":
+            if p.tensor is not None:
+                t = p.tensor.reshape(B, H, Lq, Lk) if p.tensor.dim() == 3 else p.tensor
+                if t.dtype == torch.bool:
+                    keep = keep & ~t  # nn.MultiheadAttention: True = blocked
+                else:
+                    bias = bias + t.to(dtype)
+            if p.padding is not None:
+                if p.padding.dtype == torch.bool:
+                    keep = keep & ~p.padding.view(B, 1, 1, Lk)
+                else:
+                    bias = bias + p.padding.view(B, 1, 1, Lk).to(dtype)
+        else:
+            raise AssertionError(p.kind)
+    return keep, bias
+
+
+# --------------------------------------------------------------------------- attention
+def _probabilities(q, k, keep, bias, scale):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    top = s.detach().amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(s.shape[:-1] + (1,))
+    top = top.masked_fill(top == -math.inf, 0)
+    e = torch.exp(s - top)
+    z = e.sum(dim=-1, keepdim=True)
+    return e / z.masked_fill(z == 0, 1)
+
+
+def naive_attention(q, k, v, keep, bias, scale: float, dtype: torch.dtype, *, term_sizes: Optional[dict] = None):
+    """softmax(q kᵀ · scale + bias, -inf where not keep) v, every op in ``dtype``.
+
+    q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), keep/bias (B, H, Lq, Lk) -> (B, H, Lq, Dv).
+    Query head i reads key/value head i // (H // Hkv). A row with no visible key gives 0.
+
+    ``term_sizes`` (a dict; with non-negative q, k, v and upstream gradient) gives the size of
+    the terms summed in every output and gradient entry instead, see :class:`_TermSizes`, and
+    records in ``term_sizes["score"]`` the largest size of a visible score's terms,
+    ``scale * sum_d |q_d k_d| + |bias|``.
+    """
+    H, Hkv = q.shape[1], k.shape[1]
+    kv_head = torch.arange(H) // (H // Hkv)
+    q, k, v = q.to(dtype), k.to(dtype)[:, kv_head], v.to(dtype)[:, kv_head]
+    bias = None if bias is None else bias.to(dtype)
+    if term_sizes is not None:
+        term_sizes["score"] = max(term_sizes.get("score", 0.0), score_size(q, k, keep, bias, scale))
+        return _TermSizes.apply(q, k, v, keep, bias, scale)
+    return torch.matmul(_probabilities(q, k, keep, bias, scale), v)
+
+
+def score_size(q, k, keep, bias, scale: float) -> float:
+    """The largest size of a visible score's terms, ``scale * sum_d |q_d k_d| + |bias|``.
+
+    q (B, H, Lq, D), k (B, H or Hkv, Lk, D); keep/bias (B, H, Lq, Lk) or None."""
+    with torch.no_grad():
+        kv_head = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+        size = scale * torch.matmul(q.double().abs(), k.double()[:, kv_head].abs().transpose(-1, -2))
+        if bias is not None:
+            size = size + bias.double().abs().nan_to_num(posinf=0.0)
+            size = size.masked_fill(bias == -math.inf, 0)
+        if keep is not None:
+            size = size.masked_fill(~keep, 0)
+    return size.max().item() if size.numel() else 0.0
+
+
+class _TermSizes(torch.autograd.Function):
+    """Attention whose backward adds magnitudes instead of cancelling them (a running error bound).
+
+    The softmax gradient ``dS = P * (dP - rowsum(P * dP))`` subtracts; its rounding error is
+    that of its terms, ``P * (|dP| + rowsum(P * |dP|))``, not that of the (possibly tiny) difference.
+    Every product here is of non-negative tensors, so nothing cancels.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, scale):
+        p = _probabilities(q, k, keep, bias, scale)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return torch.matmul(p, v)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, p = ctx.saved_tensors
+        d_p = torch.matmul(grad_out.abs(), v.abs().transpose(-1, -2))
+        d_s = p * (d_p + (p * d_p).sum(-1, keepdim=True))
+        d_q = ctx.scale * torch.matmul(d_s, k.abs())
+        d_k = ctx.scale * torch.matmul(d_s.transpose(-1, -2), q.abs())
+        d_v = torch.matmul(p.transpose(-1, -2), grad_out.abs())
+        return d_q, d_k, d_v, None, d_s if ctx.needs_input_grad[4] else None, None
+
+
+def naive_weights(q, k, keep, bias, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The softmax probabilities (B, H, Lq, Lk) of :func:`naive_attention`, in ``dtype``."""
+    Lk = k.shape[2]
+    eye = torch.eye(Lk, dtype=dtype).expand(k.shape[0], k.shape[1], Lk, Lk)
+    return naive_attention(q, k, eye, keep, bias, scale, dtype)
+
+
+# --------------------------------------------------------------------------- tolerance
+def row_sum_bound(dtype: torch.dtype, lk: int) -> float:
+    """How far from 1 a row of probabilities over ``lk`` keys may sum, for ``dtype`` inputs.
+
+    The probabilities are computed in float32 (float64 for float64 inputs): each p_j = e_j / z
+    with z summed over lk terms, so |sum p - 1| <= (lk + 2) u_compute; rounding each p_j to
+    dtype adds at most u_dtype * sum p = u_dtype (u = eps / 2).
+    """
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return (lk + 2) * eps(compute) / 2 + eps(dtype) / 2
+
+
+@dataclass
+class Verdict:
+    what: str
+    error: float
+    naive_error: float
+    floor: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def bound(self) -> float:
+        return 2 * self.naive_error + self.floor
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+    def __str__(self) -> str:
+        return (f"{self.what}: error {self.error:.3e} > bound {self.bound:.3e} "
+                f"(2 x naive {self.naive_error:.3e} + floor {self.floor:.3e}) {self.details}")
+
+
+def max_abs_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if got.numel() == 0:
+        return 0.0
+    return (got.double() - ref.double()).abs().max().item()
+
+
+def judge(what: str, got: torch.Tensor, oracle: torch.Tensor, naive: Callable[[torch.dtype], torch.Tensor],
+          dtype: torch.dtype, *, terms: Optional[torch.Tensor] = None, score_size: float = 0.0,
+          head_dim: int = 1, **details) -> Verdict:
+    """Hold ``got`` (computed from ``dtype`` inputs) to the rule in the module docstring.
+
+    ``naive(dt)`` returns the naive result computed entirely in ``dt``; ``terms`` is the oracle
+    run on absolute values (the size of the summed terms; default: the oracle itself);
+    ``score_size`` the largest size of a score's terms and ``head_dim`` the length of its sum.
+    """
+    assert got.shape == oracle.shape, f"{what}: shape {tuple(got.shape)} != {tuple(oracle.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values where the oracle is finite"
+    if dtype == torch.float64:
+        naive_error = max_abs_error(naive(torch.float32), oracle) * eps(torch.float64) / eps(torch.float32)
+    else:
+        naive_error = max_abs_error(naive(dtype), oracle)
+    size = max((t.abs().max().item() for t in (oracle, terms) if t is not None and t.numel()), default=0.0)
+    compute = torch.float32 if dtype in LOW_PRECISION else dtype
+    floor = size * (FLOOR_ULPS * eps(dtype) + (math.sqrt(head_dim) + 2) * score_size * eps(compute))
+    return Verdict(what, max_abs_error(got, oracle), naive_error, floor, details)

@@ -1,0 +1,161 @@
+"""Numerics in float16/bfloat16, masking by selection, and rows with no visible key.
+
+Every test runs on every backend of ``multihead.backends.names()`` and on the module.
+
+Legend: B batch, H query heads, Lq/Lk lengths, D head dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import multihead
+from multihead import backends, masks
+from oracle import (FLOOR_ULPS, LOW_PRECISION, attention_or_refusal, eps, module_or_refusal, naive_attention, one_thread,
+                    row_sum_bound)
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+D = 64
+SIGNS = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0])  # the sign of each token's features
+
+
+def huge_logit_tokens(dtype):
+    """(1, 1, 6, 64) tokens of ±40 in every feature: q·k = ±102400 (beyond float16's 65504),
+    scaled by 1/√64 to ±12800, so each query splits its weight evenly over the tokens of its sign."""
+    return (40 * SIGNS[:, None] * torch.ones(6, D)).to(dtype)[None, None]
+
+
+def same_sign_mean(v, keep=None):
+    """What the huge logits give: the mean of v over the (visible) tokens of the query's sign."""
+    same = SIGNS[:, None] == SIGNS[None, :]
+    if keep is not None:
+        same = same & keep
+    w = same.double() / same.sum(-1, keepdim=True).clamp(min=1)
+    return w @ v.double()
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("backend", backends.names())
+def test_logits_beyond_half_range_stay_finite_and_correct(backend, dtype):
+    """Scores are formed and softmaxed in float32: q·kᵀ = ±102400 overflows float16 (the naive
+    float16 product is ±inf and its softmax NaN) but every backend gives the exact answer."""
+    x = huge_logit_tokens(dtype)
+    v = torch.randn(1, 1, 6, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for mask in (None, masks.causal()):
+        keep = None if mask is None else torch.ones(6, 6, dtype=torch.bool).tril()
+        out = multihead.attention(x, x, v, mask, backend=backend)
+        want = same_sign_mean(v, keep)
+        assert torch.isfinite(out).all()
+        # the weights are exactly 1/n: only the final rounding to dtype differs
+        assert (out.double() - want).abs().max() <= FLOOR_ULPS * eps(dtype) * v.abs().max().item()
+    naive = naive_attention(x, x, v, None, None, D ** -0.5, dtype)
+    if dtype == torch.float16:
+        assert not torch.isfinite(naive).all()  # what computing the scores in float16 would give
+    w = multihead.attention_weights(x, x)
+    assert torch.isfinite(w).all() and ((w.double().sum(-1) - 1).abs() <= row_sum_bound(dtype, 6)).all()
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("backend", backends.names())
+def test_module_with_logits_beyond_half_range(backend, dtype):
+    """The module with identity projections on the tokens above: out = x exactly."""
+    mha = multihead.MultiHeadAttention(D, 1, bias=False, backend=backend)
+    with torch.no_grad():
+        for lin in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj):
+            lin.weight.copy_(torch.eye(D))
+    mha = mha.to(dtype)
+    x = huge_logit_tokens(dtype)[0]
+    for m in (mha, mha.to_per_head()):
+        out = m(x)
+        assert torch.isfinite(out).all()
+        assert (out.double() - x.double()).abs().max() <= FLOOR_ULPS * eps(dtype) * 40
+
+
+@pytest.mark.parametrize("dtype", [*LOW_PRECISION, torch.float32])
+@pytest.mark.parametrize("backend", backends.names())
+def test_mask_is_selection_not_a_huge_negative(backend, dtype):
+    """A bias of -1e4 on every score together with a keep mask: masking by adding a large
+    negative (finfo.min) would overflow to -inf and make the row NaN, and a constant bias must
+    not change the softmax. Selection gives the unbiased result on visible rows, 0 on blind rows."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g).to(dtype) for _ in range(3))
+    keep = torch.rand(2, 1, 5, 5, generator=g) < 0.6
+    keep[0, 0, 2] = False  # a row with no visible key
+    keep[:, :, 3] = True
+    bias = torch.full((5, 5), -1e4, dtype=dtype)
+    biased = multihead.attention(q, k, v, masks.bias(bias) & masks.keep(keep), backend=backend)
+    plain = multihead.attention(q, k, v, keep, backend=backend)
+    assert torch.isfinite(biased).all()
+    assert (biased[0, :, 2] == 0).all()
+    want = naive_attention(q.double(), k.double(), v.double(), keep.expand(2, 2, 5, 5), None, 8 ** -0.5,
+                           torch.float64)
+    for out in (biased, plain):
+        # scores are formed in float32 at least: the -1e4 shift costs float32 ulps of 1e4 in each score
+        shift_error = 2 * eps(torch.float32) * 1e4 * v.abs().max().item()
+        assert (out.double() - want).abs().max() <= 2 * eps(dtype) * v.abs().max().item() + shift_error
+
+
+def blind_row_setup(dtype=torch.float32):
+    """q, k, v (2, 2, 4, 8) and a keep mask whose row (batch 0, query 1) sees no key; bias -inf on
+    (batch 1, query 2) makes that row blind too."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+    keep = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    keep[0, 0, 1] = False
+    bias = torch.zeros(2, 1, 4, 4, dtype=dtype)
+    bias[1, 0, 2] = -math.inf
+    bias.requires_grad_(True)
+    blind = torch.zeros(2, 2, 4, dtype=torch.bool)
+    blind[0, :, 1] = True
+    blind[1, :, 2] = True
+    return (q, k, v), masks.keep(keep) & masks.bias(bias), bias, blind
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("backend", backends.names())
+def test_row_with_no_visible_key_gives_zero_and_finite_grads(backend, dtype, dropout_p):
+    (q, k, v), mask, bias, blind = blind_row_setup(dtype)
+    torch.manual_seed(0)
+    out = attention_or_refusal(backend, q, k, v, mask, dropout_p=dropout_p)
+    if out is None:
+        return
+    assert torch.isfinite(out).all()
+    assert (out[blind] == 0).all()
+    out.sum().backward()
+    for t in (q, k, v, bias):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[blind] == 0).all()  # the blind query influences nothing
+    w = multihead.attention_weights(q.detach(), k.detach(), mask)
+    assert (w[blind] == 0).all()
+    assert ((w[~blind].double().sum(-1) - 1).abs() <= row_sum_bound(dtype, 4)).all()
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("backend", backends.names())
+def test_module_row_with_no_visible_key(backend, training):
+    """In training (dropout 0.4) and evaluation: the blind row's attention is 0, so its output is
+    out_proj's bias; the weights returned are 0 there; every gradient is finite."""
+    torch.manual_seed(0)
+    mha = multihead.MultiHeadAttention(8, 2, dropout=0.4, backend=backend).train(training)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    padding = torch.ones(2, 4, dtype=torch.bool)
+    padding[1] = False  # batch 1: every key is padding
+    mask = masks.key_padding(padding) & masks.causal()
+    for module in (mha, mha.to_per_head()):
+        out = module_or_refusal(backend, module, x, mask=mask)
+        if out is None:
+            continue
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[1], mha.out_proj.bias.expand(4, 8))
+        out.square().sum().backward()
+        assert torch.isfinite(x.grad).all() and (x.grad[1] == 0).all()
+        assert all(torch.isfinite(p.grad).all() for p in module.parameters())
+        x.grad = None
+    _, weights = mha(x, mask=mask, return_weights=True)
+    assert (weights[1] == 0).all()
+    assert torch.isfinite(weights).all()
