@@ -22,30 +22,28 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(name):
+def _int_at_least(low: int, name: str):
+    """argparse type: an integer >= ``low``, with a one-line message naming the option."""
+
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
+        if value < low:
+            bound = "a positive integer" if low == 1 else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
         return value
 
     return parse
+
+
+def _positive(name):
+    return _int_at_least(1, name)
 
 
 def _non_negative(name):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-
-    return parse
+    return _int_at_least(0, name)
 
 
 def _probability(text):

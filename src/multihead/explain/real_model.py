@@ -48,6 +48,7 @@ from typing import Optional
 import torch
 
 from ..cli import UsageError
+from . import write_output
 
 __all__ = [
     "MODELS",
@@ -414,15 +415,7 @@ def run(args, stdout) -> int:
         out += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang),
                               top=3 if len(shown) == 1 else 2)
         out.append(_scores_line(l, h, scores, lang))
-    text_out = "\n".join(out) + "\n"
-    if getattr(args, "out", None):
-        try:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(text_out)
-        except OSError as e:
-            raise UsageError(f"cannot write --out {args.out!r}: {e.strerror}") from None
-    else:
-        stdout.write(text_out)
+    write_output("\n".join(out) + "\n", getattr(args, "out", None), stdout)
     return 0
 
 

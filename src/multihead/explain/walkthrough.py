@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..cli import UsageError
+from . import write_output
 from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
@@ -466,14 +466,7 @@ def run(args, stdout) -> int:
     else:
         color = args.out is None and _wants_color(stdout)
         text = render_text(w, lang=args.lang, values=args.values, color=color)
-    if args.out is not None:
-        try:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise UsageError(f"cannot write --out {args.out!r}: {e.strerror}") from None
-    else:
-        stdout.write(text)
+    write_output(text, args.out, stdout)
     return 0 if w.all_checks_hold else 1
 
 
