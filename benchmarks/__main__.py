@@ -73,8 +73,11 @@ def main(argv=None) -> int:
         step_text, step_r = bench_decode.decode_step(budget)
         tps_text, speedup = bench_decode.tokens_per_second(budget)
         parts.append(("Decoding with a KV cache", step_text + "\n\n" + tps_text))
-        summary.append(f"decode step: {step_r:.3f}x the raw ops (target <= {bench_decode.STEP_TARGET})")
-        summary.append(f"512-token decode with cache: {speedup:.1f}x faster than recomputing (target >= {bench_decode.SPEEDUP_TARGET:g})")
+        per_threads = lambda d, f: ", ".join(f"{f(v)} with {n} thread{'s' if n > 1 else ''}" for n, v in d.items())  # noqa: E731
+        summary.append(f"decode step: {per_threads(step_r, lambda r: f'{r:.3f}x')} the raw ops "
+                       f"(target <= {bench_decode.STEP_TARGET})")
+        summary.append(f"512-token decode with cache: {per_threads(speedup, lambda s: f'{s:.1f}x')} faster than "
+                       f"recomputing (target >= {bench_decode.SPEEDUP_TARGET:g})")
     if "attention" in want:
         print("implementations side by side ...", flush=True)
         agree = bench_attention.check_agreement()

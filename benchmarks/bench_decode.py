@@ -52,12 +52,22 @@ class RawStep:
         return F.linear(o.transpose(1, 2).reshape(1, 1, self.d), self.w_o, self.b_o)
 
 
-def decode_step(budget: h.Budget) -> tuple[str, float]:
+def _thread_counts() -> list:
+    """The default thread count, and 1: a decode step is a chain of small, memory-bound ops, where
+    synchronising threads can cost more than it saves (much more on a loaded machine)."""
+    n = torch.get_num_threads()
+    return [n, 1] if n > 1 else [n]
+
+
+def decode_step(budget: h.Budget) -> tuple[str, dict]:
     m = _layer()
     torch.manual_seed(1)
     prompt = torch.randn(1, CACHED, D_MODEL)
     x = torch.randn(1, 1, D_MODEL)
     cache = multihead.KVCache(MAX_LEN)
+    default_threads = torch.get_num_threads()
+    rows, ratios = [], {}
+    rounds = budget.rounds + 4
     with torch.no_grad():
         m(prompt, cache=cache)
         raw = RawStep(m, cache.keys, cache.values)
@@ -67,18 +77,20 @@ def decode_step(budget: h.Budget) -> tuple[str, float]:
             return m(x, cache=cache)
 
         err = (module_step() - raw(x)).abs().max().item()
-        rounds = budget.rounds + 4
-        t = h.side_by_side({"raw": lambda: raw(x), "module": module_step}, rounds, budget.min_run_s)
-    r = t["module"] / t["raw"]
+        for threads in _thread_counts():
+            torch.set_num_threads(threads)
+            t = h.side_by_side({"raw": lambda: raw(x), "module": module_step}, rounds, budget.min_run_s)
+            r = ratios[threads] = t["module"] / t["raw"]
+            rows.append([threads, h.fmt_ms(t["raw"]), h.fmt_ms(t["module"]), h.fmt_ratio(r),
+                         "yes" if r <= STEP_TARGET else "**no**"])
+        torch.set_num_threads(default_threads)
     text = (
         f"One decode step, B=1, d={D_MODEL}, h={HEADS}, {CACHED} cached tokens, fp32 "
-        f"(min over {rounds} interleaved rounds; outputs agree to {err:.1e}).\n\n"
-        + h.md_table(
-            ["raw ops ms", "module ms", "ratio", f"<= {STEP_TARGET}"],
-            [[h.fmt_ms(t["raw"]), h.fmt_ms(t["module"]), h.fmt_ratio(r), "yes" if r <= STEP_TARGET else "**no**"]],
-        )
+        f"(min over {rounds} interleaved rounds; outputs agree to {err:.1e}). The raw ops are written "
+        "by hand in benchmarks/bench_decode.py (RawStep).\n\n"
+        + h.md_table(["torch threads", "raw ops ms", "module ms", "ratio", f"<= {STEP_TARGET}"], rows)
     )
-    return text, r
+    return text, ratios
 
 
 def _generate(m, xs, cached: bool) -> tuple[float, torch.Tensor]:
@@ -96,28 +108,35 @@ def _generate(m, xs, cached: bool) -> tuple[float, torch.Tensor]:
         return time.perf_counter() - t0, y
 
 
-def tokens_per_second(budget: h.Budget) -> tuple[str, float]:
-    rows, speedup = [], None
+def tokens_per_second(budget: h.Budget) -> tuple[str, dict]:
+    rows, speedups = [], {}
     torch.manual_seed(2)
     xs = torch.randn(1, TOKENS, D_MODEL)
-    for rope in (False, True):
+    default_threads = torch.get_num_threads()
+    variants = [(threads, False) for threads in _thread_counts()]
+    if not budget.quick:
+        variants.append((default_threads, True))
+    for threads, rope in variants:
+        torch.set_num_threads(threads)
         m = _layer(rope)
         _generate(m, xs[:, :8], True)  # warm up
         with_cache, y1 = min((_generate(m, xs, True) for _ in range(2 if budget.quick else 3)), key=lambda p: p[0])
-        print(f"  decode {TOKENS} tokens rope={rope}: with cache {with_cache:.2f} s; now without", flush=True)
+        print(f"  decode {TOKENS} tokens, {threads} threads, rope={rope}: with cache {with_cache:.2f} s; now without", flush=True)
         without, y2 = _generate(m, xs, False)
         err = (y1 - y2).abs().max().item()
         s = without / with_cache
         if not rope:
-            speedup = s
+            speedups[threads] = s
         rows.append([
-            "yes" if rope else "no", f"{TOKENS / with_cache:.0f}", f"{TOKENS / without:.1f}", f"{s:.1f}",
+            threads, "yes" if rope else "no", f"{TOKENS / with_cache:.0f}", f"{TOKENS / without:.1f}", f"{s:.1f}",
             "yes" if s >= SPEEDUP_TARGET else "**no**", f"{err:.1e}",
         ])
+    torch.set_num_threads(default_threads)
     text = (
         f"Decoding {TOKENS} tokens one at a time (B=1, d={D_MODEL}, h={HEADS}, fp32, one layer): with a "
-        "KVCache vs recomputing the full causal forward over the whole prefix at every step.\n\n"
-        + h.md_table(["rope", "tokens/s with cache", "tokens/s without", "speed-up",
+        "KVCache vs recomputing the full causal forward over the whole prefix at every step "
+        "(best of 2-3 runs with the cache, one run without).\n\n"
+        + h.md_table(["torch threads", "rope", "tokens/s with cache", "tokens/s without", "speed-up",
                       f">= {SPEEDUP_TARGET:g}x", "last output difference"], rows)
     )
-    return text, speedup
+    return text, speedups
