@@ -140,7 +140,9 @@ class MultiHeadAttention(nn.Module):
                 torch.cat([lin.weight for lin in linears]),
                 torch.cat([lin.bias for lin in linears]) if self.config.bias else None,
             )
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        # storage and in-place version of each tensor; dtype and device of the first (a moved or
+        # converted tensor gets new storage, so its data_ptr changes too)
+        key = (tensors[0].dtype, tensors[0].device, *[(t.data_ptr(), t._version) for t in tensors])
         hit = self._fused_cache.get(names)
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]
