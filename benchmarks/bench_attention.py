@@ -48,18 +48,19 @@ def run(budget: h.Budget, lengths) -> str:
             for dtype in (torch.float32, torch.bfloat16):
                 for causal in (False, True):
                     c = Case(B, L, D_MODEL, HEADS, dtype, causal, backward)
-                    cands = {}
-                    cells = {}
+                    cands, cells, skipped = {}, {}, []
                     for name in names:
                         mem, secs = est_bytes(name, c), _est_seconds(name, c)
                         if mem > budget.max_bytes:
                             cells[name] = "skip (mem)"
-                            budget.skip(f"{name}, L={L}, {c.label}", f"needs ~{mem / h.GiB:.1f} GiB > {budget.max_bytes / h.GiB:.1f} GiB budget")
+                            skipped.append(f"{name} (~{mem / h.GiB:.1f} GiB > {budget.max_bytes / h.GiB:.1f} GiB budget)")
                         elif secs > budget.max_call_s:
                             cells[name] = "skip (time)"
-                            budget.skip(f"{name}, L={L}, {c.label}", f"~{secs:.0f} s per call estimated > {budget.max_call_s:g} s budget")
+                            skipped.append(f"{name} (~{secs:.0f} s per call > {budget.max_call_s:g} s budget)")
                         else:
                             cands[name] = build(name, c)
+                    if skipped:
+                        budget.skip(f"L={L} {c.label}", ", ".join(skipped))
                     if "raw SDPA" not in cands:
                         continue
                     print(f"  L={L} {c.label}: {len(cands)} implementations", flush=True)

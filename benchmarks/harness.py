@@ -40,7 +40,7 @@ class Budget:
     @classmethod
     def make(cls, quick: bool, max_gib: float) -> "Budget":
         if quick:
-            return cls(quick=True, max_call_s=1.5, max_bytes=int(max_gib * GiB), rounds=2, min_run_s=0.2)
+            return cls(quick=True, max_call_s=3.0, max_bytes=int(max_gib * GiB), rounds=2, min_run_s=0.2)
         return cls(quick=False, max_call_s=8.0, max_bytes=int(max_gib * GiB), rounds=3, min_run_s=0.4)
 
     def skip(self, what: str, why: str) -> None:

@@ -1,8 +1,9 @@
 """Peak memory of one call, each implementation in a fresh subprocess.
 
-The child builds the layer and its input, notes its resident memory (RSS), runs one call, and
-reports the peak RSS of the process (``ru_maxrss``) minus that figure: the extra memory the call
-needed at its peak (activations, scores, masks, workspace; weights and input excluded).
+The child builds the layer and its input, resets the kernel's peak-RSS mark to the current RSS
+(writing 5 to /proc/self/clear_refs, Linux), runs one call, and reports the new peak (VmHWM)
+minus the RSS before the call: the extra memory the call needed at its peak (activations,
+scores, masks, workspace; weights and input excluded).
 
 Run as ``python -m benchmarks.memory NAME L DTYPE CAUSAL BACKWARD`` (used by :func:`run`).
 """
@@ -10,7 +11,6 @@ Run as ``python -m benchmarks.memory NAME L DTYPE CAUSAL BACKWARD`` (used by :fu
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 
@@ -22,18 +22,22 @@ from .impls import Case, build, est_bytes, impl_names
 B, D_MODEL, HEADS = 1, 512, 8
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def child(name: str, L: int, dtype: str, causal: bool, backward: bool) -> dict:
     c = Case(B, L, D_MODEL, HEADS, getattr(torch, dtype), causal, backward)
     fn = build(name, c)
-    before = _rss_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # peak RSS := current RSS
+    before = _status_bytes("VmRSS")
     fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"extra_bytes": max(0, peak - before)}
+    return {"extra_bytes": max(0, _status_bytes("VmHWM") - before)}
 
 
 def probe(name: str, c: Case, timeout_s: float) -> int | None:
@@ -53,18 +57,20 @@ def run(budget: h.Budget, lengths) -> str:
     for L in lengths:
         for backward in (False, True):
             c = Case(B, L, D_MODEL, HEADS, torch.float32, True, backward)
-            cells = []
+            cells, skipped = [], []
             for name in names:
                 est = est_bytes(name, c)
                 secs = h.mha_flops(B, L, D_MODEL, HEADS, False, backward) / (0.1 * h.matmul_rate(torch.float32))
                 if est > budget.max_bytes or secs > 4 * budget.max_call_s:
                     cells.append("skip")
-                    budget.skip(f"memory of {name}, L={L}, {c.label}", "over the memory or time budget")
+                    skipped.append(name)
                     continue
                 print(f"  memory {name} L={L} {c.label}", flush=True)
                 got = probe(name, c, timeout_s=120 + 10 * secs)
                 cells.append("failed" if got is None else f"{got / 2**20:.0f}")
             rows.append([f"L={L} {c.label}", *cells])
+            if skipped:
+                budget.skip(f"memory at L={L} {c.label}", ", ".join(skipped) + " (over the memory or time budget)")
     return (
         f"Extra peak memory of one call in MiB (fresh subprocess per cell; peak RSS minus RSS before "
         f"the call), B={B}, d={D_MODEL}, H={HEADS}, fp32, causal.\n\n" + h.md_table(["case", *names], rows)
