@@ -119,6 +119,14 @@ def render(info, rates, summary, parts, budget, args) -> str:
         "load average), so absolute times are inflated and jumpy; ratios of interleaved runs are the "
         "figures to read.",
         "",
+        f"**bf16.** This CPU ({info['CPU capability']}) multiplies bf16 at "
+        f"{100 * rates[torch.bfloat16] / rates[torch.float32]:.0f}% of the fp32 rate (no native bf16 "
+        "instructions), so bf16 cases are the first to exceed the time budget and are skipped where listed.",
+        "",
+        "**Threads in decoding.** A decode step is a chain of small, memory-bound operations; on a "
+        "loaded machine, threads waiting for each other can cost more than they save, so decoding is "
+        "measured at the default thread count and at 1 thread.",
+        "",
         "## Machine",
         "",
         h.md_table(["", ""], [[k, v] for k, v in info.items()]),

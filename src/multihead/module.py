@@ -204,6 +204,8 @@ class MultiHeadAttention(nn.Module):
                 f"query is on {query.device} but the module is on {w.device}; move one of them (mha.to(query.device))"
             )
         for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
+            if t is query and size == cfg.d_in:
+                continue  # self-attention: the query's checks above cover it
             check_tensor(t, name)
             if t.dim() != 3:
                 raise ValueError(f"{name} must be (B, Lk, {dim}), got shape {tuple(t.shape)}")
