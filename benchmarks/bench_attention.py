@@ -16,7 +16,7 @@ from .impls import Case, build, est_bytes, impl_names
 B, D_MODEL, HEADS = 1, 512, 8
 
 
-def _est_seconds(name: str, c: Case) -> float:
+def est_seconds(name: str, c: Case) -> float:
     """Pessimistic time estimate: full (non-causal) FLOPs at 30% of the matmul rate; the
     score-materialising implementations at 10%."""
     flops = h.mha_flops(c.B, c.L, c.d, c.H, causal=False, backward=c.backward)
@@ -50,7 +50,7 @@ def run(budget: h.Budget, lengths) -> str:
                     c = Case(B, L, D_MODEL, HEADS, dtype, causal, backward)
                     cands, cells, skipped = {}, {}, []
                     for name in names:
-                        mem, secs = est_bytes(name, c), _est_seconds(name, c)
+                        mem, secs = est_bytes(name, c), est_seconds(name, c)
                         if mem > budget.max_bytes:
                             cells[name] = "skip (mem)"
                             skipped.append(f"{name} (~{mem / h.GiB:.1f} GiB > {budget.max_bytes / h.GiB:.1f} GiB budget)")

@@ -21,7 +21,7 @@ def run(budget: h.Budget) -> tuple[str, list]:
     configs = CONFIGS[:1] if budget.quick else CONFIGS
     if budget.quick:
         budget.skip("overhead at (B=1, L=4096, d=1024, h=16)", "quick mode")
-    max_call_s = 4 * budget.max_call_s  # this section's targets are worth a longer wait
+    max_call_s = 2 * budget.max_call_s  # this section's targets are worth a longer wait
     for B, L, d, H in configs:
         for backward in (False, True):
             for dtype in (torch.float32, torch.bfloat16):
