@@ -1,7 +1,8 @@
 """Shared pieces of the benchmarks: timing, FLOP counts, the machine's matmul rate, budgets.
 
 Timing uses ``torch.utils.benchmark.Timer``. Candidates that are compared are measured side by
-side in one process, interleaved in rounds (A, B, C, A, B, C, ...), and each candidate's time is
+side in one process, interleaved in rounds (A, B, C, then B, C, A, ...: each round starts with the
+next candidate), and each candidate's time is
 the **minimum over rounds of the round's median**: on a shared machine other processes only ever
 add time, so the least disturbed round is the best estimate of the cost itself. Ratios are
 formed from those figures.
