@@ -1,4 +1,5 @@
 # Two commands for a new user: `make demo` and `make test`. Both create .venv when missing.
+# `make bench` writes docs/benchmarks.md (about 20 min); `make bench BENCH_ARGS=--quick` takes a few minutes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -29,7 +30,7 @@ test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

@@ -6,13 +6,16 @@ Public surface:
 * :mod:`multihead.masks` -- one mask convention: True = may attend
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
 * :func:`trace` -- record the steps of a real forward pass
+* :class:`KVCache`, :class:`RoPE` -- step-by-step decoding and rotary position embeddings
 """
 
 from . import backends, masks
+from .cache import KVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch
 from .module import MultiHeadAttention
 from .per_head import PerHeadAttention
+from .rope import RoPE
 from .trace import Trace, trace
 
 __version__ = "0.1.0"
@@ -28,4 +31,6 @@ __all__ = [
     "AttentionConfig",
     "trace",
     "Trace",
+    "KVCache",
+    "RoPE",
 ]

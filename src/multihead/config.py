@@ -7,6 +7,7 @@ from typing import Optional
 
 from ._checks import check_dropout, check_heads, check_positive_int
 from .backends import names as backend_names
+from .rope import check_rope_base
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class AttentionConfig:
     kdim / vdim: feature sizes of the key and value inputs (default d_in).
     bias: projections have biases. dropout: on the attention weights, in training only.
     causal: apply a bottom-right causal mask. backend: see multihead.backends.names().
+    rope: rotate q and k by their positions (rotary embeddings, :class:`multihead.rope.RoPE`);
+    self-attention only, needs an even head_dim. rope_base: the RoPE frequency base.
     """
 
     d_in: int
@@ -30,6 +33,8 @@ class AttentionConfig:
     dropout: float = 0.0
     causal: bool = False
     backend: str = "auto"
+    rope: bool = False
+    rope_base: float = 10000.0
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -50,6 +55,19 @@ class AttentionConfig:
             raise TypeError(f"bias must be True or False, got {self.bias!r}")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be True or False, got {self.causal!r}")
+        if not isinstance(self.rope, bool):
+            raise TypeError(f"rope must be True or False, got {self.rope!r}")
+        set_(self, "rope_base", check_rope_base(self.rope_base))
+        if self.rope and self.head_dim % 2:
+            raise ValueError(
+                f"rope=True needs an even head_dim (RoPE rotates pairs of coordinates), got "
+                f"head_dim={self.head_dim} (d_out={self.d_out} / num_heads={self.num_heads})"
+            )
+        if self.rope and self.kdim != self.d_in:
+            raise ValueError(
+                f"rope=True is for self-attention, but kdim={self.kdim} differs from d_in={self.d_in} "
+                "(cross-attention: query and key positions come from different sequences); use rope=False"
+            )
         if self.backend not in backend_names():
             raise ValueError(f"unknown backend {self.backend!r}; known backends: {', '.join(backend_names())}")
 

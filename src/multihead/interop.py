@@ -59,6 +59,8 @@ def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
         blockers.append(f"num_kv_heads={c.num_kv_heads} (grouped-query attention)")
     if c.causal:
         blockers.append("causal=True (pass the mask per call as attn_mask instead)")
+    if c.rope:
+        blockers.append("rope=True (nn.MultiheadAttention has no rotary position embeddings)")
     if blockers:
         raise ValueError("nn.MultiheadAttention cannot express this module: " + "; ".join(blockers))
     w0 = mha.q_proj.weight

@@ -6,6 +6,8 @@ Data flow of ``mha(x)`` (self-attention), with the step names the trace prints::
       -> project Q, K, V      one product with [W_q; W_k; W_v]   (B, L, d_out) and 2 x (B, L, Hkv*D)
       -> split heads          'b t (h d) -> b t h d'  (a view)    (B, L, H, D)
       -> move heads forward   'b t h d -> b h t d'    (a view)    (B, H, L, D)
+      -> rotary position embedding  (rope=True) q, k rotated by their positions
+      -> append to the cache  (cache=...) K, V written after the cached tokens (B, Hkv, Lk, D)
       -> attention            scores, scale, mask, softmax, weights x V   (B, H, L, D)
       -> move heads back      'b h t d -> b t h d'                (B, L, H, D)
       -> merge heads          'b t h d -> b t (h d)'              (B, L, d_out)
@@ -27,8 +29,10 @@ from . import masks as _masks
 from . import trace as _trace
 from ._checks import check_tensor
 from .backends import reference as _reference
+from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
+from .rope import RoPE
 
 __all__ = ["MultiHeadAttention"]
 
@@ -49,6 +53,9 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights, applied in training only.
         causal: apply a bottom-right aligned causal mask (see :func:`multihead.masks.causal`).
         backend: "auto" (fastest that supports the call), "reference" or "sdpa".
+        rope: True to rotate q and k by their positions (rotary embeddings, Hugging Face Llama's
+            rotate-half layout), or a :class:`multihead.rope.RoPE` to use. Self-attention only.
+        rope_base: the RoPE frequency base (ignored when ``rope`` is a RoPE object).
 
     Submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` are ``nn.Linear`` (weight is
     (out, in)), so weights from other implementations load by copying tensors.
@@ -67,15 +74,27 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         causal: bool = False,
         backend: str = "auto",
+        rope=False,
+        rope_base: float = 10000.0,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        rope_obj = rope if isinstance(rope, RoPE) else None
+        if rope_obj is not None:
+            rope, rope_base = True, rope_obj.base
         cfg = AttentionConfig(
             d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, kdim=kdim,
             vdim=vdim, bias=bias, dropout=dropout, causal=causal, backend=backend,
+            rope=rope, rope_base=rope_base,
         )
+        if rope_obj is not None and rope_obj.head_dim != cfg.head_dim:
+            raise ValueError(
+                f"rope was built for head_dim={rope_obj.head_dim} but this module's head_dim is {cfg.head_dim}; "
+                f"pass RoPE({cfg.head_dim}) or rope=True"
+            )
         self.config = cfg
+        self.rope = rope_obj if rope_obj is not None else (RoPE(cfg.head_dim, cfg.rope_base) if cfg.rope else None)
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(cfg.d_in, cfg.d_out, bias=cfg.bias, **factory)
         self.k_proj = nn.Linear(cfg.kdim, cfg.kv_dim, bias=cfg.bias, **factory)
@@ -105,6 +124,8 @@ class MultiHeadAttention(nn.Module):
         if c.kdim != c.d_in or c.vdim != c.d_in:
             parts.append(f"kdim={c.kdim}, vdim={c.vdim}")
         parts += [f"causal={c.causal}", f"dropout={c.dropout}", f"backend={c.backend!r}"]
+        if c.rope:
+            parts.append(f"rope_base={c.rope_base:g}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ projections
@@ -122,7 +143,9 @@ class MultiHeadAttention(nn.Module):
                 torch.cat([lin.weight for lin in linears]),
                 torch.cat([lin.bias for lin in linears]) if self.config.bias else None,
             )
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        # storage and in-place version of each tensor; dtype and device of the first (a moved or
+        # converted tensor gets new storage, so its data_ptr changes too)
+        key = (tensors[0].dtype, tensors[0].device, *[(t.data_ptr(), t._version) for t in tensors])
         hit = self._fused_cache.get(names)
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]
@@ -185,6 +208,8 @@ class MultiHeadAttention(nn.Module):
                 f"query is on {query.device} but the module is on {w.device}; move one of them (mha.to(query.device))"
             )
         for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
+            if t is query and size == cfg.d_in:
+                continue  # self-attention: the query's checks above cover it
             check_tensor(t, name)
             if t.dim() != 3:
                 raise ValueError(f"{name} must be (B, Lk, {dim}), got shape {tuple(t.shape)}")
@@ -203,6 +228,25 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"key has {key.shape[1]} tokens but value has {value.shape[1]}; they must match"
             )
+        if self.rope is not None and key is not query:
+            raise ValueError(
+                "this module has rope=True, which is for self-attention: query and key positions "
+                "would come from different sequences; call mha(x) or build it with rope=False"
+            )
+
+    def _check_cache(self, cache, query, key, value) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a multihead.KVCache, got {type(cache).__name__}")
+        if key is not query or value is not query:
+            raise ValueError(
+                "cache= is for self-attention decoding (mha(x_new, cache=cache)); in cross-attention the "
+                "keys/values come from another sequence: project them once and pass them as key/value"
+            )
+        if not self.config.causal:
+            raise ValueError(
+                "cache= appends tokens that must not see later ones, which needs a causal module; "
+                "build it with causal=True"
+            )
 
     def forward(
         self,
@@ -212,6 +256,7 @@ class MultiHeadAttention(nn.Module):
         *,
         mask=None,
         return_weights: bool = False,
+        cache: Optional[KVCache] = None,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -224,6 +269,11 @@ class MultiHeadAttention(nn.Module):
                 the module's causal mask when ``causal=True``.
             return_weights: also return the per-head weights (B, H, Lq, Lk) actually applied
                 (after dropout in training); this runs the reference backend.
+            cache: a :class:`multihead.KVCache` (causal self-attention only). The Lq new tokens
+                are projected, rotated for positions ``len(cache) ...`` (rope), appended to the
+                cache, and attend to every cached token with the bottom-right causal mask, so
+                Lk = len(cache) after the append. The output equals the last Lq rows of a full
+                causal forward over the whole sequence.
 
         Returns:
             (B, Lq, d_out), or ``(out, weights)``.
@@ -242,6 +292,10 @@ class MultiHeadAttention(nn.Module):
                 )
             value = key
         self._check_inputs(query, key, value)
+        offset = 0
+        if cache is not None:
+            self._check_cache(cache, query, key, value)
+            offset = cache.length
         tr = _trace.current()
         if tr is not None:
             tr.set_config(**{k: v for k, v in cfg.to_dict().items()}, head_dim=cfg.head_dim)
@@ -251,9 +305,22 @@ class MultiHeadAttention(nn.Module):
         q = split_heads(q, cfg.num_heads, role="Q")
         k = split_heads(k, cfg.num_kv_heads, role="K")
         v = split_heads(v, cfg.num_kv_heads, role="V")
+        if self.rope is not None:
+            q, k = self.rope(q, offset), self.rope(k, offset)
+            if tr is not None:
+                note = f"positions {offset}..{offset + q.shape[2] - 1}, base {self.rope.base:g}, rotate-half layout"
+                tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
+                tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
+        if cache is not None:
+            k, v = cache.append(k, v)
+            if tr is not None:
+                note = f"{cache.length} of max_len={cache.max_len} tokens cached; {cfg.num_kv_heads} kv heads"
+                tr.record("append to the cache", k, None, ("b", "h", "t", "d"), role="K", note=note)
+                tr.record("append to the cache", v, None, ("b", "h", "t", "d"), role="V", note=note)
 
         m = _masks.as_mask(mask)
-        if self._causal_mask is not None:
+        # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
+        if self._causal_mask is not None and (m is not None or q.shape[2] > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
         dropout_p = cfg.dropout if self.training else 0.0
         shape = (q.shape[0], cfg.num_heads, q.shape[2], k.shape[2])

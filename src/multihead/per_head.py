@@ -119,6 +119,8 @@ def to_per_head(mha) -> PerHeadAttention:
     if not isinstance(mha, MultiHeadAttention):
         raise TypeError(f"to_per_head takes a MultiHeadAttention, got {type(mha).__name__}")
     c = mha.config
+    if c.rope:
+        raise ValueError("PerHeadAttention has no rotary position embeddings; to_per_head needs a module with rope=False")
     w0 = mha.q_proj.weight
     p = PerHeadAttention(c.d_in, c.num_heads, c.d_out, kdim=c.kdim, vdim=c.vdim, bias=c.bias,
                          dropout=c.dropout, causal=c.causal, device=w0.device, dtype=w0.dtype)

@@ -1,0 +1,1 @@
+"""Benchmarks of multihead against PyTorch's attention and a tutorial implementation (``make bench``)."""
