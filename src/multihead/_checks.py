@@ -142,7 +142,7 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
     """query (B, Lq, d_in), key (B, Lk, kdim), value (B, Lk, vdim) for a module with settings
     ``cfg`` (an AttentionConfig) whose weights are ``weight``'s dtype and device.
 
-    The same checks as ``MultiHeadAttention._check_inputs``, for :class:`PerHeadAttention`."""
+    Used by :class:`MultiHeadAttention` and :class:`PerHeadAttention`."""
     check_tensor(query, "query")
     if query.dim() == 2:
         raise ValueError(
@@ -163,6 +163,8 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
             f"query is on {query.device} but the module is on {weight.device}; move one of them (mha.to(query.device))"
         )
     for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
+        if t is query and size == cfg.d_in:
+            continue  # self-attention: the query's checks above cover it
         check_tensor(t, name)
         if t.dim() != 3:
             raise ValueError(f"{name} must be (B, Lk, {dim}), got shape {tuple(t.shape)}")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import backends as _backends
 from . import masks as _masks
 from . import trace as _trace
-from ._checks import check_tensor
+from ._checks import check_module_inputs
 from .backends import reference as _reference
 from .cache import KVCache
 from .config import AttentionConfig
@@ -186,48 +186,7 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _check_inputs(self, query, key, value):
-        cfg = self.config
-        check_tensor(query, "query")
-        if query.dim() == 2:
-            raise ValueError(
-                f"query has shape {tuple(query.shape)}: MultiHeadAttention is batch-first (B, L, d_in); "
-                "add the batch axis with query.unsqueeze(0)"
-            )
-        if query.dim() != 3:
-            raise ValueError(f"query must be (B, Lq, d_in), got shape {tuple(query.shape)}")
-        if query.shape[-1] != cfg.d_in:
-            raise ValueError(f"query has {query.shape[-1]} features but d_in={cfg.d_in}")
-        w = self.q_proj.weight
-        if query.dtype != w.dtype:
-            raise TypeError(
-                f"query is {query.dtype} but the module's weights are {w.dtype}; "
-                f"call mha.to({query.dtype}) or pass query.to({w.dtype})"
-            )
-        if query.device != w.device:
-            raise ValueError(
-                f"query is on {query.device} but the module is on {w.device}; move one of them (mha.to(query.device))"
-            )
-        for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
-            if t is query and size == cfg.d_in:
-                continue  # self-attention: the query's checks above cover it
-            check_tensor(t, name)
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be (B, Lk, {dim}), got shape {tuple(t.shape)}")
-            if t.shape[-1] != size:
-                raise ValueError(f"{name} has {t.shape[-1]} features but {dim}={size}")
-            if t.shape[0] != query.shape[0]:
-                raise ValueError(
-                    f"{name} has batch {t.shape[0]} but query has {query.shape[0]}; they must match"
-                )
-            if t.dtype != query.dtype or t.device != query.device:
-                raise TypeError(
-                    f"{name} is {t.dtype} on {t.device} but query is {query.dtype} on {query.device}; "
-                    "use one dtype and device"
-                )
-        if key.shape[1] != value.shape[1]:
-            raise ValueError(
-                f"key has {key.shape[1]} tokens but value has {value.shape[1]}; they must match"
-            )
+        check_module_inputs(self.config, self.q_proj.weight, query, key, value)
         if self.rope is not None and key is not query:
             raise ValueError(
                 "this module has rope=True, which is for self-attention: query and key positions "
