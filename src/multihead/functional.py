@@ -92,7 +92,12 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask=None, *, scale: Opt
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
 
 
-def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0) -> _backends.Dispatch:
-    """Which backend ``backend="auto"`` would run for this call, and why each other was refused."""
+def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False) -> _backends.Dispatch:
+    """Which backend ``backend="auto"`` would run for this call, and why each other was refused.
+
+    ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).
+    The thresholds are module settings: ``multihead.backends.sdpa.DENSE_MASK_BUDGET_BYTES`` and
+    ``multihead.backends.chunked.AUTO_MIN_SCORES``.
+    """
     m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
-    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p))
+    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights)))

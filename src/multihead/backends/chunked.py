@@ -1,0 +1,357 @@
+"""The ``chunked`` backend: online softmax over tiles (FlashAttention's algorithm) in plain PyTorch.
+
+The (Lq, Lk) scores are never held at once. Queries are cut into blocks of ``block_q`` and,
+for each, the keys it can see into blocks of ``block_k``; one tile of scores exists at a time::
+
+    for each query block Q_i:                     # rows of q
+        m, l, acc = -inf, 0, 0                    # running max, running sum, running output
+        for each key block K_j, V_j it can see:   # blocks a causal/window mask hides are skipped
+            s = Q_i K_jᵀ · scale (+ bias tile, -inf where the keep tile is False)
+            m_new = max(m, rowmax(s));  p = exp(s - m_new);  alpha = exp(m - m_new)
+            l = alpha · l + rowsum(p);  acc = alpha · acc + p V_j;  m = m_new
+        out_i = acc / l  (0 where l = 0: no visible key);  lse_i = m + log(l)
+
+The backward pass recomputes each tile from the saved (q, k, v, out, lse), so training memory
+is O(L) as well: p = exp(s - lse), dV += pᵀ dO, dP = dO Vᵀ, dS = p ⊙ (dP - rowsum(dO ⊙ out)),
+dQ += dS K · scale, dK += dSᵀ Q · scale, and a bias tensor gets dS.
+
+Grouped-query attention reads K/V once per kv head: q is viewed as (B·Hkv, Lq·G, D) with the G
+query heads of one kv head side by side, so no repeated K/V is built. float16/bfloat16 inputs
+are computed in float32 and cast back. Dropout is not supported (see :func:`_refuses`).
+
+Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key lengths,
+D head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Optional, Sequence
+
+import torch
+
+from .. import trace as _trace
+from .._checks import check_positive_int, check_qkv, check_scale
+from ..masks import Mask, as_mask, split_additive
+from . import Backend, Call, register
+from .reference import compute_dtype
+
+__all__ = ["chunked_attention", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
+
+#: default rows (queries x query heads per kv head) of a query block
+BLOCK_ROWS = 256
+#: default keys per key block
+BLOCK_K = 1024
+#: ``backend="auto"`` declines the chunked backend when Lq·Lk is below this: SDPA's fused
+#: kernel is faster there and the dense mask it may need is small.
+AUTO_MIN_SCORES = 2048 * 2048
+
+#: test hook: tiles computed, counted under "forward" and "backward" (reset it with ``.clear()``)
+BLOCKS_COMPUTED: Counter = Counter()
+
+_NEG_INF = float("-inf")
+
+
+def default_block_q(groups: int) -> int:
+    """Queries per block: :data:`BLOCK_ROWS` rows shared by the ``groups`` query heads of a kv head."""
+    return max(1, BLOCK_ROWS // groups)
+
+
+class _Problem:
+    """One attention call, laid out for tiles; shared by the forward and the backward pass.
+
+    q is held grouped and pre-scaled, (B·Hkv, Lq·G, D), row ``i·G + g`` being query i of head
+    ``kvhead·G + g``; k (B·Hkv, Lk, D); v (B·Hkv, Lk, Dv); all in the compute dtype.
+    ``positions`` optionally maps local query rows to the absolute positions the mask sees
+    (for :func:`multihead.attention_weights` on selected rows); ``mask_heads`` picks the query
+    heads of the mask's head axis (for selected heads).
+    """
+
+    def __init__(self, q, k, v, rest: Optional[Mask], biases, *, scale, block_q, block_k,
+                 mask_shape, positions=None, mask_heads=None):
+        B, H, Lq, D = q.shape
+        self.B, self.H, self.Lq, self.D = B, H, Lq, D
+        self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.G = H // self.Hkv
+        self.N = B * self.Hkv
+        self.cdt = compute_dtype(q.dtype)
+        self.scale = scale
+        self.rest, self.biases = rest, biases
+        self.mask_shape = tuple(mask_shape)
+        self.mask_heads = mask_heads
+        self.q = self.group_rows(q.to(self.cdt) * scale)
+        self.k = k.to(self.cdt).reshape(self.N, self.Lk, D)
+        self.v = v.to(self.cdt).reshape(self.N, self.Lk, self.Dv)
+        self.plan = _plan(Lq, self.Lk, rest, block_q, block_k, positions, self.mask_shape)
+
+    # -- layout: (B, H, Lq, X) <-> (B·Hkv, Lq·G, X)
+    def group_rows(self, t: torch.Tensor) -> torch.Tensor:
+        B, H, L, X = t.shape
+        return t.reshape(B, self.Hkv, self.G, L, X).transpose(2, 3).reshape(self.N, L * self.G, X)
+
+    def ungroup_rows(self, t: torch.Tensor) -> torch.Tensor:
+        X = t.shape[-1]
+        return t.reshape(self.B, self.Hkv, self.Lq, self.G, X).transpose(2, 3).reshape(self.B, self.H, self.Lq, X)
+
+    def _grouped_tile(self, t: torch.Tensor, *, select_heads: bool = False) -> torch.Tensor:
+        """A (b, h, bq, bk) mask tile as (b, Hkv|1, bq, G|1, bk), matching the grouped scores;
+        ``select_heads`` first picks :attr:`mask_heads` from a tile of the mask's own heads."""
+        if select_heads and self.mask_heads is not None and t.shape[1] != 1:
+            t = t[:, self.mask_heads]
+        if t.shape[1] == 1:
+            return t.unsqueeze(3)
+        b, _, bq, bk = t.shape
+        return t.reshape(b, self.Hkv, self.G, bq, bk).transpose(2, 3)
+
+    def scores(self, r0, r1, a0, k0, k1) -> torch.Tensor:
+        """Masked scaled scores of local query rows r0..r1-1 (absolute a0..) x keys k0..k1-1: (N, (r1-r0)·G, bk)."""
+        G = self.G
+        s = torch.bmm(self.q[:, r0 * G:r1 * G], self.k[:, k0:k1].transpose(1, 2))
+        bias_tiles = [_tile4(b, a0, a0 + r1 - r0, k0, k1) for b in self.biases]
+        keep = None
+        if self.rest is not None:
+            keep = self.rest.block(a0, a0 + r1 - r0, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt).keep
+        if bias_tiles or keep is not None:
+            s5 = s.view(self.B, self.Hkv, r1 - r0, G, k1 - k0)
+            for bt in bias_tiles:
+                s5.add_(self._grouped_tile(bt.to(self.cdt)))
+            if keep is not None:
+                s5.masked_fill_(~self._grouped_tile(keep, select_heads=True), _NEG_INF)
+        return s
+
+    # -- passes
+    def forward(self):
+        """``(out, lse)``: out (N, Lq·G, Dv) and lse (N, Lq·G) in the compute dtype."""
+        G = self.G
+        out = torch.zeros(self.N, self.Lq * G, self.Dv, dtype=self.cdt, device=self.q.device)
+        lse = torch.full((self.N, self.Lq * G), _NEG_INF, dtype=self.cdt, device=self.q.device)
+        for r0, r1, a0, kblocks in self.plan:
+            if not kblocks:
+                continue
+            rows = (r1 - r0) * G
+            m = torch.full((self.N, rows, 1), _NEG_INF, dtype=self.cdt, device=self.q.device)
+            l = torch.zeros(self.N, rows, 1, dtype=self.cdt, device=self.q.device)
+            acc = out[:, r0 * G:r1 * G]
+            for k0, k1 in kblocks:
+                s = self.scores(r0, r1, a0, k0, k1)
+                m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+                # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+                p = s.sub_(m_safe).exp_()
+                alpha = (m - m_safe).exp_()
+                l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+                acc.mul_(alpha).baddbmm_(p, self.v[:, k0:k1])
+                m = m_new
+            BLOCKS_COMPUTED["forward"] += len(kblocks)
+            acc.div_(l.masked_fill(l == 0, 1.0))
+            lse[:, r0 * G:r1 * G] = (m + l.log()).squeeze(-1)
+        return out, lse
+
+    def backward(self, out, lse, g_out, g_lse):
+        """``(dq, dk, dv, dbiases)`` for out/lse from :meth:`forward` and their gradients."""
+        G = self.G
+        dq = torch.zeros_like(self.q)
+        dk = torch.zeros_like(self.k)
+        dv = torch.zeros_like(self.v)
+        dbiases = [torch.zeros(b.shape, dtype=self.cdt, device=b.device) if b.requires_grad else None
+                   for b in self.biases]
+        # dS = p ⊙ (dP - delta + g_lse): delta = rowsum(dO ⊙ out) is the softmax's own term
+        shift = (g_out * out).sum(dim=-1, keepdim=True)
+        if g_lse is not None:
+            shift = shift - g_lse.unsqueeze(-1)
+        lse_safe = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+        for r0, r1, a0, kblocks in self.plan:
+            rows = slice(r0 * G, r1 * G)
+            for k0, k1 in kblocks:
+                s = self.scores(r0, r1, a0, k0, k1)
+                p = s.sub_(lse_safe[:, rows]).exp_()
+                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), g_out[:, rows])
+                dp = torch.bmm(g_out[:, rows], self.v[:, k0:k1].transpose(1, 2))
+                ds = p.mul_(dp.sub_(shift[:, rows]))
+                dq[:, rows].baddbmm_(ds, self.k[:, k0:k1])
+                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), self.q[:, rows])
+                for b, db in zip(self.biases, dbiases):
+                    if db is not None:
+                        _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
+            BLOCKS_COMPUTED["backward"] += len(kblocks)
+        return dq.mul_(self.scale), dk, dv, dbiases
+
+    def _ungrouped_tile(self, ds: torch.Tensor, nq: int) -> torch.Tensor:
+        """(N, nq·G, bk) -> (B, H, nq, bk)."""
+        bk = ds.shape[-1]
+        return ds.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
+
+
+def _tile4(t: torch.Tensor, q0, q1, k0, k1) -> torch.Tensor:
+    """A 4-D broadcastable tensor restricted to one tile (size-1 axes stay)."""
+    rows = slice(None) if t.shape[-2] == 1 else slice(q0, q1)
+    cols = slice(None) if t.shape[-1] == 1 else slice(k0, k1)
+    return t[:, :, rows, cols]
+
+
+def _add_bias_grad(db: torch.Tensor, ds: torch.Tensor, q0, q1, k0, k1) -> None:
+    """Add the (B, H, bq, bk) tile gradient ``ds`` into ``db`` (the bias's 4-D broadcast shape)."""
+    dims = [i for i in range(4) if db.shape[i] == 1 and ds.shape[i] != 1]
+    if dims:
+        ds = ds.sum(dim=dims, keepdim=True)
+    _tile4(db, q0, q1, k0, k1).add_(ds)
+
+
+def _plan(lq, lk, rest: Optional[Mask], block_q, block_k, positions, mask_shape):
+    """``[(r0, r1, a0, [(k0, k1), ...]), ...]``: local query rows r0..r1-1 at absolute positions
+    a0.., and the key blocks they can see; runs of consecutive positions are never split across
+    a gap, and key blocks outside the structural mask's span are left out (never computed)."""
+    mlq, mlk = mask_shape[-2:]
+    runs = _runs(positions) if positions is not None else [(0, lq, 0)]
+    plan = []
+    for start, stop, abs0 in runs:
+        for r0 in range(start, stop, block_q):
+            r1 = min(stop, r0 + block_q)
+            a0 = abs0 + (r0 - start)
+            lo, hi = (0, lk) if rest is None else rest.key_span(a0, a0 + r1 - r0, mlq, mlk)
+            plan.append((r0, r1, a0, [(k0, min(hi, k0 + block_k)) for k0 in range(max(lo, 0), hi, block_k)]))
+    return plan
+
+
+def _runs(positions: Sequence[int]):
+    """Maximal runs of consecutive positions: ``[(local_start, local_stop, absolute_start), ...]``."""
+    runs = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i, positions[start]))
+            start = i
+    return runs
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """out, lse = f(q, k, v, *biases); the backward recomputes tiles (nothing (Lq, Lk) is saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rest, options, *biases):
+        problem = _Problem(q, k, v, rest, biases, **options)
+        out, lse = problem.forward()
+        ctx.save_for_backward(q, k, v, out, lse, *biases)
+        ctx.rest, ctx.options = rest, options
+        return problem.ungroup_rows(out).to(q.dtype), _ungroup_lse(problem, lse)
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        q, k, v, out, lse, *biases = ctx.saved_tensors
+        problem = _Problem(q, k, v, ctx.rest, tuple(biases), **ctx.options)
+        g_out = problem.group_rows(g_out.to(problem.cdt))
+        if g_lse is not None:
+            g_lse = problem.group_rows(g_lse.to(problem.cdt).unsqueeze(-1)).squeeze(-1)
+        dq, dk, dv, dbiases = problem.backward(out, lse, g_out, g_lse)
+        dq = problem.ungroup_rows(dq).to(q.dtype)
+        dk = dk.view(k.shape).to(k.dtype)
+        dv = dv.view(v.shape).to(v.dtype)
+        dbiases = [None if db is None else db.to(b.dtype) for b, db in zip(biases, dbiases)]
+        return (dq, dk, dv, None, None, *dbiases)
+
+
+def _ungroup_lse(problem: _Problem, lse: torch.Tensor) -> torch.Tensor:
+    """(N, Lq·G) -> (B, H, Lq)."""
+    return problem.ungroup_rows(lse.unsqueeze(-1)).squeeze(-1)
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    scale: Optional[float] = None,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    return_lse: bool = False,
+    positions: Optional[Sequence[int]] = None,
+    mask_shape=None,
+    mask_heads: Optional[Sequence[int]] = None,
+):
+    """Attention by tiles with O(Lq + Lk) memory, optionally with its log-sum-exp.
+
+    Args:
+        q: (B, H, Lq, D); k: (B, Hkv, Lk, D); v: (B, Hkv, Lk, Dv).
+        mask: as for :func:`multihead.attention` (None, a mask, a bool or float tensor).
+        scale: default 1/√D.
+        block_q: queries per block (default :data:`BLOCK_ROWS` // G); block_k: keys per block
+            (default :data:`BLOCK_K`).
+        return_lse: also return lse (B, H, Lq), the log-sum-exp over keys of the scaled, masked
+            scores (``-inf`` for a row with no visible key); differentiable.
+
+    The last three arguments serve :func:`multihead.attention_weights`: ``positions`` (Lq ints)
+    are the absolute query positions the mask is evaluated at, ``mask_shape`` the (B, H, Lq, Lk)
+    the mask is written for, ``mask_heads`` the mask's heads that q's heads are.
+
+    Returns:
+        out (B, H, Lq, Dv), or ``(out, lse)``. A row with no visible key gives out 0.
+    """
+    check_qkv(q, k, v)
+    scale = check_scale(scale, q.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    block_q = default_block_q(groups) if block_q is None else check_positive_int(block_q, "block_q")
+    block_k = BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if mask_shape is None else tuple(mask_shape)
+    m = as_mask(mask)
+    if m is not None:
+        m.check(shape, q.device)
+    rest, biases = split_additive(m, shape)
+    if mask_heads is not None:
+        biases = tuple(b if b.shape[1] == 1 else b[:, list(mask_heads)] for b in biases)
+    options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=shape,
+                   positions=None if positions is None else [int(p) for p in positions],
+                   mask_heads=None if mask_heads is None else list(mask_heads))
+    out, lse = _ChunkedAttention.apply(q, k, v, rest, options, *biases)
+    return (out, lse) if return_lse else out
+
+
+def _backend_fn(q, k, v, mask, *, scale, dropout_p):
+    if dropout_p > 0:
+        raise ValueError(f"the chunked backend does not do dropout (got dropout_p={dropout_p}); "
+                         "use backend='sdpa' or 'reference' for dropout")
+    before = BLOCKS_COMPUTED["forward"]
+    out = chunked_attention(q, k, v, mask, scale=scale)
+    tr = _trace.current()
+    if tr is not None:
+        groups = q.shape[1] // k.shape[1]
+        bq, bk = default_block_q(groups), BLOCK_K
+        total = math.ceil(q.shape[2] / bq) * math.ceil(k.shape[2] / bk)
+        tr.record(
+            "fused attention (scores, scale, mask, softmax, weights × V)", out,
+            "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
+            note=(f"multihead chunked online softmax, tiles of {bq} queries × {bk} keys: "
+                  f"{BLOCKS_COMPUTED['forward'] - before} computed of about {total} "
+                  "(tiles a causal/window mask hides are skipped)"),
+        )
+    return out
+
+
+def _refuses(call: Call) -> Optional[str]:
+    if call.dropout_p > 0:
+        return ("dropout is not supported: the backward pass recomputes tiles and would need the "
+                "forward's random mask again; use 'sdpa' or 'reference'")
+    if call.need_weights:
+        return "it does not return the attention weights (only 'reference' does)"
+    return None
+
+
+def _auto_declines(call: Call) -> Optional[str]:
+    lq, lk = call.q.shape[2], call.k.shape[2]
+    if lq * lk < AUTO_MIN_SCORES:
+        return (f"Lq·Lk = {lq * lk} is below chunked.AUTO_MIN_SCORES = {AUTO_MIN_SCORES}: "
+                "SDPA's fused kernel is faster at this size")
+    return None
+
+
+BACKEND = register(
+    Backend(
+        name="chunked",
+        fn=_backend_fn,
+        refuses=_refuses,
+        summary="online softmax over tiles in PyTorch; skips masked-out tiles; O(L) memory in training too",
+        auto_declines=_auto_declines,
+    ),
+    auto_rank=1,
+)
