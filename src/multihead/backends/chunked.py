@@ -37,7 +37,7 @@ from ..masks import Mask, as_mask, split_additive
 from . import Backend, Call, register
 from .reference import compute_dtype
 
-__all__ = ["chunked_attention", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
+__all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
 
 #: default rows (queries x query heads per kv head) of a query block
 BLOCK_ROWS = 256
@@ -305,6 +305,45 @@ def chunked_attention(
                    mask_heads=None if mask_heads is None else list(mask_heads))
     out, lse = _ChunkedAttention.apply(q, k, v, rest, options, *biases)
     return (out, lse) if return_lse else out
+
+
+def selected_weights(q, k, mask: Optional[Mask], *, scale: float, heads: Sequence[int], rows: Sequence[int]):
+    """Attention weights of the query heads ``heads`` at the query positions ``rows`` only.
+
+    q (B, H, Lq, D), k (B, Hkv, Lk, D), arguments already validated -> (B, len(heads), len(rows), Lk).
+    The log-sum-exp of each selected row comes from :func:`chunked_attention` (O(Lk) memory per
+    row block); each weight is then ``exp(score - lse)``, one row block at a time, so nothing of
+    size (H, Lq, Lk) is built. Differentiable (the lse is).
+    """
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    groups = H // k.shape[1]
+    heads, rows = list(heads), list(rows)
+    qs = q[:, heads][:, :, rows]
+    ks = k[:, [h // groups for h in heads]]
+    shape = (B, H, Lq, Lk)
+    no_values = ks.new_zeros(B, len(heads), Lk, 0)
+    _, lse = chunked_attention(qs, ks, no_values, mask, scale=scale, return_lse=True,
+                               positions=rows, mask_shape=shape, mask_heads=heads)
+    cdt = compute_dtype(q.dtype)
+    lse = lse.masked_fill(lse == _NEG_INF, 0.0).to(cdt).unsqueeze(-1)
+    qs, ks = qs.to(cdt) * scale, ks.to(cdt)
+    pieces = []
+    for start, stop, a_start in _runs(rows):
+        for r0 in range(start, stop, BLOCK_ROWS):
+            r1 = min(stop, r0 + BLOCK_ROWS)
+            a0 = a_start + (r0 - start)
+            s = qs[:, :, r0:r1] @ ks.transpose(-2, -1)
+            if mask is not None:
+                mt = mask.block(a0, a0 + r1 - r0, 0, Lk, shape, device=q.device, dtype=cdt)
+                if mt.bias is not None:
+                    s = s + (mt.bias if mt.bias.shape[1] == 1 else mt.bias[:, heads])
+                if mt.keep is not None:
+                    s = s.masked_fill(~(mt.keep if mt.keep.shape[1] == 1 else mt.keep[:, heads]), _NEG_INF)
+            pieces.append(torch.exp(s - lse[:, :, r0:r1]))
+    if not pieces:
+        return q.new_zeros(B, len(heads), len(rows), Lk)
+    return torch.cat(pieces, dim=2).to(q.dtype)
 
 
 def _backend_fn(q, k, v, mask, *, scale, dropout_p):
