@@ -432,3 +432,28 @@ def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
     assert len(t.steps) == 1 and t.steps[0].shape == (1, 2, 300, 4)
     # 2 query blocks of 256; keys 0..2099 in blocks of 1024: 3 tiles each, all needed here
     assert "6 computed of about 6" in t.steps[0].note
+
+
+@pytest.mark.parametrize("dtype,jump", [(torch.float64, 600.0), (torch.float32, 60.0), (torch.float32, 30.0)])
+def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
+    # the first key block has scores near 0; later keys score up to `jump` higher (the tile
+    # would overflow with the first tile's shift once jump > log(max float) / 2)
+    q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True) * 0.1
+    k[:, :, 12:] = q[:, :, :1] * jump * 2  # scale 1/√D = 1/2
+    keep = torch.ones(9, 30, dtype=torch.bool)
+    keep[3, :10] = False  # row 3 sees nothing in the first tile
+    expect, _ = attention64(q, k, v, keep)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    chunked.BLOCKS_COMPUTED.clear()
+    out = chunked_attention(q, k, v, keep, block_q=4, block_k=10)
+    redone = chunked.BLOCKS_COMPUTED["redone"]
+    assert redone == 0 if jump < math.log(torch.finfo(dtype).max) / 2 else redone > 0
+    assert torch.isfinite(out).all()
+    err = (out.double() - expect).abs().max().item()
+    if dtype == torch.float64:  # scores of size `jump` carry rounding of jump·eps ~ 1e-13
+        assert err <= 1e-12
+    else:
+        ref_err = (mh.attention(q, k, v, keep, backend="reference").double() - expect).abs().max().item()
+        assert err <= 2 * ref_err + 2 * torch.finfo(dtype).eps

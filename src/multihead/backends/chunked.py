@@ -47,7 +47,8 @@ BLOCK_K = 1024
 #: kernel is faster there and the dense mask it may need is small.
 AUTO_MIN_SCORES = 2048 * 2048
 
-#: test hook: tiles computed, counted under "forward" and "backward" (reset it with ``.clear()``)
+#: test hook: tiles computed, counted under "forward" and "backward", and forward tiles redone
+#: with an exact shift under "redone" (reset it with ``.clear()``)
 BLOCKS_COMPUTED: Counter = Counter()
 
 _NEG_INF = float("-inf")
@@ -62,7 +63,11 @@ class _Problem:
     """One attention call, laid out for tiles; shared by the forward and the backward pass.
 
     q is held grouped and pre-scaled, (B·Hkv, Lq·G, D), row ``i·G + g`` being query i of head
-    ``kvhead·G + g``; k (B·Hkv, Lk, D); v (B·Hkv, Lk, Dv); all in the compute dtype.
+    ``kvhead·G + g``; all in the compute dtype. k and v carry one extra column of ones,
+    ``ka`` (B·Hkv, Lk, D+1) and ``va`` (B·Hkv, Lk, Dv+1), so that the matrix products do two
+    row-wise jobs for free: a query tile with ``-shift`` in its extra column gives scores already
+    shifted by ``shift`` (no subtraction pass), and ``p @ va`` gives the row sums of p in its last
+    column (no summation pass).
     ``positions`` optionally maps local query rows to the absolute positions the mask sees
     (for :func:`multihead.attention_weights` on selected rows); ``mask_heads`` picks the query
     heads of the mask's head axis (for selected heads).
@@ -81,9 +86,11 @@ class _Problem:
         self.mask_shape = tuple(mask_shape)
         self.mask_heads = mask_heads
         self.q = self.group_rows(q.to(self.cdt) * scale)
-        self.k = k.to(self.cdt).reshape(self.N, self.Lk, D)
-        self.v = v.to(self.cdt).reshape(self.N, self.Lk, self.Dv)
+        self.ka = _with_ones_column(k.to(self.cdt).reshape(self.N, self.Lk, D))
+        self.va = _with_ones_column(v.to(self.cdt).reshape(self.N, self.Lk, self.Dv))
         self.plan = _plan(Lq, self.Lk, rest, block_q, block_k, positions, self.mask_shape)
+        # a tile whose row sums pass this is redone with an exact shift (exp would overflow soon)
+        self.limit = math.exp(math.log(torch.finfo(self.cdt).max) / 2)
 
     # -- layout: (B, H, Lq, X) <-> (B·Hkv, Lq·G, X)
     def group_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -104,16 +111,16 @@ class _Problem:
         b, _, bq, bk = t.shape
         return t.reshape(b, self.Hkv, self.G, bq, bk).transpose(2, 3)
 
-    def scores(self, r0, r1, a0, k0, k1) -> torch.Tensor:
-        """Masked scaled scores of local query rows r0..r1-1 (absolute a0..) x keys k0..k1-1: (N, (r1-r0)·G, bk)."""
-        G = self.G
-        s = torch.bmm(self.q[:, r0 * G:r1 * G], self.k[:, k0:k1].transpose(1, 2))
+    def scores(self, qa, r0, r1, a0, k0, k1) -> torch.Tensor:
+        """Masked scores of the query tile ``qa`` (N, (r1-r0)·G, D+1), its rows being local queries
+        r0..r1-1 at absolute positions a0.., x keys k0..k1-1, shifted by ``-qa[..., D]``: (N, rows, bk)."""
+        s = torch.bmm(qa, self.ka[:, k0:k1].transpose(1, 2))
         bias_tiles = [_tile4(b, a0, a0 + r1 - r0, k0, k1) for b in self.biases]
         keep = None
         if self.rest is not None:
             keep = self.rest.block(a0, a0 + r1 - r0, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt).keep
         if bias_tiles or keep is not None:
-            s5 = s.view(self.B, self.Hkv, r1 - r0, G, k1 - k0)
+            s5 = s.view(self.B, self.Hkv, r1 - r0, self.G, k1 - k0)
             for bt in bias_tiles:
                 s5.add_(self._grouped_tile(bt.to(self.cdt)))
             if keep is not None:
@@ -122,56 +129,78 @@ class _Problem:
 
     # -- passes
     def forward(self):
-        """``(out, lse)``: out (N, Lq·G, Dv) and lse (N, Lq·G) in the compute dtype."""
-        G = self.G
-        out = torch.zeros(self.N, self.Lq * G, self.Dv, dtype=self.cdt, device=self.q.device)
+        """``(out, lse)``: out (N, Lq·G, Dv) and lse (N, Lq·G) in the compute dtype.
+
+        Each query block keeps a per-row ``shift`` (set exactly from its first tile's row max)
+        and accumulates ``acc = Σ exp(s - shift) @ [v, 1]``. A later tile is shifted by the same
+        value, without a max pass; only if its row sums pass :attr:`limit` (scores far above the
+        first tile's) is it redone with the exact running max and ``acc`` rescaled.
+        """
+        G, D, Dv = self.G, self.D, self.Dv
+        out = torch.zeros(self.N, self.Lq * G, Dv, dtype=self.cdt, device=self.q.device)
         lse = torch.full((self.N, self.Lq * G), _NEG_INF, dtype=self.cdt, device=self.q.device)
         for r0, r1, a0, kblocks in self.plan:
             if not kblocks:
                 continue
-            rows = (r1 - r0) * G
-            m = torch.full((self.N, rows, 1), _NEG_INF, dtype=self.cdt, device=self.q.device)
-            l = torch.zeros(self.N, rows, 1, dtype=self.cdt, device=self.q.device)
-            acc = out[:, r0 * G:r1 * G]
+            rows = slice(r0 * G, r1 * G)
+            qa = _with_ones_column(self.q[:, rows], 0.0)  # last column: -shift
+            acc = None
             for k0, k1 in kblocks:
-                s = self.scores(r0, r1, a0, k0, k1)
-                m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-                # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN
-                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                p = s.sub_(m_safe).exp_()
-                alpha = (m - m_safe).exp_()
-                l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-                acc.mul_(alpha).baddbmm_(p, self.v[:, k0:k1])
-                m = m_new
+                s = self.scores(qa, r0, r1, a0, k0, k1)
+                if acc is None:
+                    qa[..., D:] = -_finite_row_max(s)
+                    s.add_(qa[..., D:])
+                part = torch.bmm(s.exp_(), self.va[:, k0:k1])
+                if acc is not None and bool((part[..., Dv] > self.limit).any()):
+                    part = self._exact_tile(qa, acc, r0, r1, a0, k0, k1)
+                    BLOCKS_COMPUTED["redone"] += 1
+                acc = part if acc is None else acc.add_(part)
             BLOCKS_COMPUTED["forward"] += len(kblocks)
-            acc.div_(l.masked_fill(l == 0, 1.0))
-            lse[:, r0 * G:r1 * G] = (m + l.log()).squeeze(-1)
+            total = acc[..., Dv:]
+            out[:, rows] = acc[..., :Dv] / total.masked_fill(total == 0, 1.0)
+            lse[:, rows] = (total.log() - qa[..., D:]).squeeze(-1)
         return out, lse
 
+    def _exact_tile(self, qa, acc, r0, r1, a0, k0, k1) -> torch.Tensor:
+        """Redo one tile with shift = max(old shift, the tile's row max); rescales ``acc`` to it."""
+        D = self.D
+        old = -qa[..., D:].clone()
+        qa[..., D:] = 0.0
+        tile_max = _finite_row_max(self.scores(qa, r0, r1, a0, k0, k1))
+        new = torch.maximum(old, tile_max)
+        acc.mul_((old - new).exp_())
+        qa[..., D:] = -new
+        return torch.bmm(self.scores(qa, r0, r1, a0, k0, k1).exp_(), self.va[:, k0:k1])
+
     def backward(self, out, lse, g_out, g_lse):
-        """``(dq, dk, dv, dbiases)`` for out/lse from :meth:`forward` and their gradients."""
-        G = self.G
+        """``(dq, dk, dv, dbiases)`` for out/lse from :meth:`forward` and their gradients.
+
+        Per tile: p = exp(s - lse) (the query tile carries -lse in its extra column), dV += pᵀ dO,
+        dS = p ⊙ (dO Vᵀ - shift) (dO carries -shift in an extra column against v's ones),
+        dQ += dS K, dK += dSᵀ Q.
+        """
+        G, D, Dv = self.G, self.D, self.Dv
         dq = torch.zeros_like(self.q)
-        dk = torch.zeros_like(self.k)
-        dv = torch.zeros_like(self.v)
+        dk = torch.zeros(self.N, self.Lk, D, dtype=self.cdt, device=self.q.device)
+        dv = torch.zeros(self.N, self.Lk, Dv, dtype=self.cdt, device=self.q.device)
         dbiases = [torch.zeros(b.shape, dtype=self.cdt, device=b.device) if b.requires_grad else None
                    for b in self.biases]
         # dS = p ⊙ (dP - delta + g_lse): delta = rowsum(dO ⊙ out) is the softmax's own term
         shift = (g_out * out).sum(dim=-1, keepdim=True)
         if g_lse is not None:
             shift = shift - g_lse.unsqueeze(-1)
-        lse_safe = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+        qa = torch.cat([self.q, -lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)], dim=-1)
+        ga = torch.cat([g_out, -shift], dim=-1)
+        k, q, g = self.ka[..., :D], self.q, g_out
         for r0, r1, a0, kblocks in self.plan:
             rows = slice(r0 * G, r1 * G)
             for k0, k1 in kblocks:
-                s = self.scores(r0, r1, a0, k0, k1)
-                p = s.sub_(lse_safe[:, rows]).exp_()
-                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), g_out[:, rows])
-                dp = torch.bmm(g_out[:, rows], self.v[:, k0:k1].transpose(1, 2))
-                ds = p.mul_(dp.sub_(shift[:, rows]))
-                dq[:, rows].baddbmm_(ds, self.k[:, k0:k1])
-                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), self.q[:, rows])
-                for b, db in zip(self.biases, dbiases):
+                p = self.scores(qa[:, rows], r0, r1, a0, k0, k1).exp_()
+                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), g[:, rows])
+                ds = p.mul_(torch.bmm(ga[:, rows], self.va[:, k0:k1].transpose(1, 2)))
+                dq[:, rows].baddbmm_(ds, k[:, k0:k1])
+                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), q[:, rows])
+                for db in dbiases:
                     if db is not None:
                         _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
             BLOCKS_COMPUTED["backward"] += len(kblocks)
@@ -181,6 +210,20 @@ class _Problem:
         """(N, nq·G, bk) -> (B, H, nq, bk)."""
         bk = ds.shape[-1]
         return ds.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
+
+
+def _with_ones_column(t: torch.Tensor, value: float = 1.0) -> torch.Tensor:
+    """(N, L, X) -> (N, L, X+1), a new contiguous tensor whose last column is ``value``."""
+    out = torch.empty(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
+    out[..., :-1] = t
+    out[..., -1] = value
+    return out
+
+
+def _finite_row_max(s: torch.Tensor) -> torch.Tensor:
+    """Row max (N, rows, 1), 0 for a row with no visible key (so that exp(s - max) is 0, not NaN)."""
+    m = s.amax(dim=-1, keepdim=True)
+    return m.masked_fill_(m == _NEG_INF, 0.0)
 
 
 def _tile4(t: torch.Tensor, q0, q1, k0, k1) -> torch.Tensor:
