@@ -430,8 +430,9 @@ def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
     assert t.config["dispatch"]["backend"] == "chunked"
     assert "DENSE_MASK_BUDGET_BYTES" in t.config["dispatch"]["refused"]["sdpa"]
     assert len(t.steps) == 1 and t.steps[0].shape == (1, 2, 300, 4)
-    # 2 query blocks of 256; keys 0..2099 in blocks of 1024: 3 tiles each, all needed here
-    assert "6 computed of about 6" in t.steps[0].note
+    # bottom-right causal with Lk - Lq = 1800: every query block needs every key block
+    n = math.ceil(300 / chunked.BLOCK_ROWS) * math.ceil(2100 / chunked.BLOCK_K)
+    assert f"{n} computed of about {n}" in t.steps[0].note
 
 
 @pytest.mark.parametrize("dtype,jump", [(torch.float64, 600.0), (torch.float32, 60.0), (torch.float32, 30.0)])

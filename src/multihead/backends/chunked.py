@@ -40,9 +40,9 @@ from .reference import compute_dtype
 __all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
 
 #: default rows (queries x query heads per kv head) of a query block
-BLOCK_ROWS = 256
+BLOCK_ROWS = 512
 #: default keys per key block
-BLOCK_K = 1024
+BLOCK_K = 512
 #: ``backend="auto"`` declines the chunked backend when Lq·Lk is below this: SDPA's fused
 #: kernel is faster there and the dense mask it may need is small.
 AUTO_MIN_SCORES = 2048 * 2048
