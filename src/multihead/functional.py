@@ -52,7 +52,8 @@ def attention(
             tensor (added to the scores), broadcastable to (B, H, Lq, Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
-        backend: "auto", "reference", "sdpa" (see :func:`multihead.backends.names`).
+        backend: "auto", "reference", "sdpa", "chunked" (see :func:`multihead.backends.names`);
+            ``explain_dispatch`` says which one "auto" runs and why.
 
     Returns:
         (B, H, Lq, Dv). A query row with no visible key gives 0.

@@ -4,12 +4,22 @@ The (Lq, Lk) scores are never held at once. Queries are cut into blocks of ``blo
 for each, the keys it can see into blocks of ``block_k``; one tile of scores exists at a time::
 
     for each query block Q_i:                     # rows of q
-        m, l, acc = -inf, 0, 0                    # running max, running sum, running output
+        acc = 0                                   # (rows, Dv + 1): Σ p V and, last column, Σ p
         for each key block K_j, V_j it can see:   # blocks a causal/window mask hides are skipped
             s = Q_i K_jᵀ · scale (+ bias tile, -inf where the keep tile is False)
-            m_new = max(m, rowmax(s));  p = exp(s - m_new);  alpha = exp(m - m_new)
-            l = alpha · l + rowsum(p);  acc = alpha · acc + p V_j;  m = m_new
-        out_i = acc / l  (0 where l = 0: no visible key);  lse_i = m + log(l)
+            first tile: shift = rowmax(s)         # a row with no visible key: shift 0
+            p = exp(s - shift)
+            acc += p [V_j, 1]
+        out_i = acc[:, :Dv] / acc[:, Dv]  (0 where the sum is 0: no visible key)
+        lse_i = shift + log(acc[:, Dv])
+
+This is FlashAttention's online softmax with the rescaling made lazy: later tiles reuse the
+first tile's shift, which is exact in any precision as long as exp(s - shift) stays finite, so
+no row-max pass is needed per tile. A tile whose row sums would pass sqrt(largest float) is
+redone with shift = max(shift, its row max), rescaling acc by exp(old - new) (rare: scores
+rising ~44 above the first tile's in float32). The shift is subtracted inside the matrix product
+(the query tile carries -shift in an extra column against a column of ones in K), and the row
+sums come out of it too (a column of ones in V), so each tile costs two products and one exp.
 
 The backward pass recomputes each tile from the saved (q, k, v, out, lse), so training memory
 is O(L) as well: p = exp(s - lse), dV += pᵀ dO, dP = dO Vᵀ, dS = p ⊙ (dP - rowsum(dO ⊙ out)),
