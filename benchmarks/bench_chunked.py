@@ -5,7 +5,9 @@
 * forward, ``window(512)``: chunked (computes O(L·w)) vs SDPA given the same mask as a dense
   (L, L) bool tensor (target: chunked >= 5x faster);
 * peak extra memory of one call, each in a fresh subprocess: resident memory after the inputs
-  exist vs the process's peak (``ru_maxrss``) after the call (target: chunked <= 1 GiB at L=32768).
+  exist vs the process's peak resident memory after the call (``VmHWM``; not ``ru_maxrss``,
+  which a child inherits from its parent's peak across fork/exec) (target: chunked <= 1 GiB
+  at L=32768).
 
 Timing: ``torch.utils.benchmark``, candidates interleaved in rounds (A, B, A, B, ...) in this one
 process; each candidate's figure is its fastest round (other processes on a shared machine only
@@ -139,6 +141,15 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), reset by exec unlike ``ru_maxrss``."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _child(which: str, L: int) -> dict:
     backward = which.endswith("+backward")
     q, k, v = _inputs(L, grad=backward)
@@ -149,8 +160,7 @@ def _child(which: str, L: int) -> dict:
         out = F.scaled_dot_product_attention(q, k, v)
     if backward:
         out.sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"extra_bytes": max(0, peak - before)}
+    return {"extra_bytes": max(0, _peak_rss_bytes() - before)}
 
 
 def peak_extra_bytes(which: str, L: int, timeout_s: float = 1800) -> int:
@@ -169,6 +179,7 @@ def main(argv=None, *, quick: bool = False) -> str:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--blocks", default=None, help="compare tile sizes instead, e.g. 256x1024,128x2048")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--only-memory", action="store_true")
     args = p.parse_args([] if argv is None else argv)
     quick = quick or args.quick
     L = args.length or (8192 if quick else 32768)
@@ -185,7 +196,7 @@ def main(argv=None, *, quick: bool = False) -> str:
              f"default tiles: {chunked.BLOCK_ROWS} query rows x {chunked.BLOCK_K} keys", "",
              "| case | L | chunked s | SDPA s | chunked / SDPA | chunked GFLOP/s | SDPA GFLOP/s |",
              "|---|---|---|---|---|---|---|"]
-    for r in speed_rows(L, rounds):
+    for r in ([] if args.only_memory else speed_rows(L, rounds)):
         lines.append(f"| {r['case']} | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} | "
                      f"{r['chunked/sdpa']:.2f} | {r['chunked_gflops']:.1f} | {r['sdpa_gflops']:.1f} |")
     lines += ["", f"SDPA's window({WINDOW}) gets the mask as a dense (L, L) bool tensor."]

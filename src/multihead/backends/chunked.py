@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
@@ -56,6 +57,9 @@ BLOCK_K = 512
 #: ``backend="auto"`` declines the chunked backend when Lq·Lk is below this: SDPA's fused
 #: kernel is faster there and the dense mask it may need is small.
 AUTO_MIN_SCORES = 2048 * 2048
+
+#: share the query blocks of the forward pass among torch.get_num_threads() Python threads (CPU)
+PARALLEL = True
 
 #: test hook: tiles computed, counted under "forward" and "backward", and forward tiles redone
 #: with an exact shift under "redone" (reset it with ``.clear()``)
@@ -146,30 +150,33 @@ class _Problem:
         value, without a max pass; only if its row sums pass :attr:`limit` (scores far above the
         first tile's) is it redone with the exact running max and ``acc`` rescaled.
         """
-        G, D, Dv = self.G, self.D, self.Dv
+        G, Dv = self.G, self.Dv
         out = torch.zeros(self.N, self.Lq * G, Dv, dtype=self.cdt, device=self.q.device)
         lse = torch.full((self.N, self.Lq * G), _NEG_INF, dtype=self.cdt, device=self.q.device)
-        for r0, r1, a0, kblocks in self.plan:
-            if not kblocks:
-                continue
-            rows = slice(r0 * G, r1 * G)
-            qa = _with_ones_column(self.q[:, rows], 0.0)  # last column: -shift
-            acc = None
-            for k0, k1 in kblocks:
-                s = self.scores(qa, r0, r1, a0, k0, k1)
-                if acc is None:
-                    qa[..., D:] = -_finite_row_max(s)
-                    s.add_(qa[..., D:])
-                part = torch.bmm(s.exp_(), self.va[:, k0:k1])
-                if acc is not None and bool((part[..., Dv] > self.limit).any()):
-                    part = self._exact_tile(qa, acc, r0, r1, a0, k0, k1)
-                    BLOCKS_COMPUTED["redone"] += 1
-                acc = part if acc is None else acc.add_(part)
-            BLOCKS_COMPUTED["forward"] += len(kblocks)
-            total = acc[..., Dv:]
-            out[:, rows] = acc[..., :Dv] / total.masked_fill(total == 0, 1.0)
-            lse[:, rows] = (total.log() - qa[..., D:]).squeeze(-1)
+        blocks = [b for b in self.plan if b[3]]
+        _run_parallel(blocks, lambda b: self._forward_block(out, lse, *b), self.q.device)
+        BLOCKS_COMPUTED["forward"] += sum(len(b[3]) for b in blocks)
         return out, lse
+
+    def _forward_block(self, out, lse, r0, r1, a0, kblocks) -> None:
+        """One query block: writes its rows of ``out`` and ``lse``."""
+        G, D, Dv = self.G, self.D, self.Dv
+        rows = slice(r0 * G, r1 * G)
+        qa = _with_ones_column(self.q[:, rows], 0.0)  # last column: -shift
+        acc = None
+        for k0, k1 in kblocks:
+            s = self.scores(qa, r0, r1, a0, k0, k1)
+            if acc is None:
+                qa[..., D:] = -_finite_row_max(s)
+                s.add_(qa[..., D:])
+            part = torch.bmm(s.exp_(), self.va[:, k0:k1])
+            if acc is not None and bool((part[..., Dv] > self.limit).any()):
+                part = self._exact_tile(qa, acc, r0, r1, a0, k0, k1)
+                BLOCKS_COMPUTED["redone"] += 1
+            acc = part if acc is None else acc.add_(part)
+        total = acc[..., Dv:]
+        out[:, rows] = acc[..., :Dv] / total.masked_fill(total == 0, 1.0)
+        lse[:, rows] = (total.log() - qa[..., D:]).squeeze(-1)
 
     def _exact_tile(self, qa, acc, r0, r1, a0, k0, k1) -> torch.Tensor:
         """Redo one tile with shift = max(old shift, the tile's row max); rescales ``acc`` to it."""
@@ -220,6 +227,33 @@ class _Problem:
         """(N, nq·G, bk) -> (B, H, nq, bk)."""
         bk = ds.shape[-1]
         return ds.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
+
+
+def _run_parallel(blocks, work, device) -> None:
+    """Run ``work(block)`` for each query block: on CPU with :data:`PARALLEL` and more than one
+    torch thread, the blocks are shared among that many Python threads, each running torch
+    single-threaded (query blocks write disjoint rows). One parallel region per worker instead
+    of one per operation: the small per-tile products scale better, above all on a busy machine.
+    The intra-op thread count is restored afterwards."""
+    threads = torch.get_num_threads()
+    if not PARALLEL or device.type != "cpu" or threads < 2 or len(blocks) < 2:
+        for b in blocks:
+            work(b)
+        return
+    workers = min(threads, len(blocks))
+    grad = torch.is_grad_enabled()
+
+    def run(share):
+        torch.set_num_threads(1)
+        with torch.set_grad_enabled(grad):
+            for b in share:
+                work(b)
+
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, [blocks[i::workers] for i in range(workers)]))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _with_ones_column(t: torch.Tensor, value: float = 1.0) -> torch.Tensor:
