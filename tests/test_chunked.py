@@ -461,17 +461,20 @@ def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
 
 
 def test_query_blocks_shared_among_threads_give_the_same_result_and_restore_threads(monkeypatch):
-    q, k, v = qkv(B=1, H=4, Hkv=2, Lq=50, Lk=45, D=4, seed=12)
+    q, k, v = qkv(B=1, H=4, Hkv=2, Lq=50, Lk=45, D=4, seed=12, grad=True)
     expect, _ = attention64(q, k, v, causal_keep(50, 45))
+    g = torch.randn_like(expect)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        outs = {}
+        results = {}
         for parallel in (True, False):
             monkeypatch.setattr(chunked, "PARALLEL", parallel)
-            outs[parallel] = chunked_attention(q, k, v, masks.causal(), block_q=4, block_k=6)
+            out = chunked_attention(q, k, v, masks.causal(), block_q=4, block_k=6)
+            results[parallel] = (out, *torch.autograd.grad(out, (q, k, v), g))
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    for out in outs.values():
-        assert (out - expect).abs().max() <= 1e-12
+    assert (results[True][0] - expect).abs().max() <= 1e-12
+    for a, b in zip(results[True], results[False]):
+        assert (a - b).abs().max() <= 1e-12

@@ -196,7 +196,7 @@ class _Problem:
         dS = p ⊙ (dO Vᵀ - shift) (dO carries -shift in an extra column against v's ones),
         dQ += dS K, dK += dSᵀ Q.
         """
-        G, D, Dv = self.G, self.D, self.Dv
+        D, Dv = self.D, self.Dv
         dq = torch.zeros_like(self.q)
         dk = torch.zeros(self.N, self.Lk, D, dtype=self.cdt, device=self.q.device)
         dv = torch.zeros(self.N, self.Lk, Dv, dtype=self.cdt, device=self.q.device)
@@ -208,20 +208,38 @@ class _Problem:
             shift = shift - g_lse.unsqueeze(-1)
         qa = torch.cat([self.q, -lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)], dim=-1)
         ga = torch.cat([g_out, -shift], dim=-1)
-        k, q, g = self.ka[..., :D], self.q, g_out
-        for r0, r1, a0, kblocks in self.plan:
-            rows = slice(r0 * G, r1 * G)
-            for k0, k1 in kblocks:
-                p = self.scores(qa[:, rows], r0, r1, a0, k0, k1).exp_()
-                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), g[:, rows])
-                ds = p.mul_(torch.bmm(ga[:, rows], self.va[:, k0:k1].transpose(1, 2)))
-                dq[:, rows].baddbmm_(ds, k[:, k0:k1])
-                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), q[:, rows])
-                for db in dbiases:
-                    if db is not None:
-                        _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
-            BLOCKS_COMPUTED["backward"] += len(kblocks)
+        blocks = [b for b in self.plan if b[3]]
+        if any(db is not None for db in dbiases):  # one bias gradient, filled in order
+            for b in blocks:
+                self._backward_block(qa, ga, g_out, dq, dk, dv, dbiases, *b)
+        else:  # query blocks in parallel: each worker sums into its own dk, dv
+            partial = {}
+
+            def work(share):
+                own = partial.setdefault(id(share), (torch.zeros_like(dk), torch.zeros_like(dv)))
+                for b in share:
+                    self._backward_block(qa, ga, g_out, dq, own[0], own[1], dbiases, *b)
+
+            _run_parallel(blocks, work, self.q.device, per_share=True)
+            for pdk, pdv in partial.values():
+                dk.add_(pdk)
+                dv.add_(pdv)
+        BLOCKS_COMPUTED["backward"] += sum(len(b[3]) for b in blocks)
         return dq.mul_(self.scale), dk, dv, dbiases
+
+    def _backward_block(self, qa, ga, g, dq, dk, dv, dbiases, r0, r1, a0, kblocks) -> None:
+        G, D = self.G, self.D
+        k, q = self.ka[..., :D], self.q
+        rows = slice(r0 * G, r1 * G)
+        for k0, k1 in kblocks:
+            p = self.scores(qa[:, rows], r0, r1, a0, k0, k1).exp_()
+            dv[:, k0:k1].baddbmm_(p.transpose(1, 2), g[:, rows])
+            ds = p.mul_(torch.bmm(ga[:, rows], self.va[:, k0:k1].transpose(1, 2)))
+            dq[:, rows].baddbmm_(ds, k[:, k0:k1])
+            dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), q[:, rows])
+            for db in dbiases:
+                if db is not None:
+                    _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
 
     def _ungrouped_tile(self, ds: torch.Tensor, nq: int) -> torch.Tensor:
         """(N, nq·G, bk) -> (B, H, nq, bk)."""
@@ -229,16 +247,20 @@ class _Problem:
         return ds.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
 
 
-def _run_parallel(blocks, work, device) -> None:
+def _run_parallel(blocks, work, device, *, per_share: bool = False) -> None:
     """Run ``work(block)`` for each query block: on CPU with :data:`PARALLEL` and more than one
     torch thread, the blocks are shared among that many Python threads, each running torch
     single-threaded (query blocks write disjoint rows). One parallel region per worker instead
     of one per operation: the small per-tile products scale better, above all on a busy machine.
-    The intra-op thread count is restored afterwards."""
+    The intra-op thread count is restored afterwards. With ``per_share``, ``work`` receives each
+    worker's whole list of blocks (sequentially: one list of all of them)."""
     threads = torch.get_num_threads()
     if not PARALLEL or device.type != "cpu" or threads < 2 or len(blocks) < 2:
-        for b in blocks:
-            work(b)
+        if per_share:
+            work(blocks)
+        else:
+            for b in blocks:
+                work(b)
         return
     workers = min(threads, len(blocks))
     grad = torch.is_grad_enabled()
@@ -246,8 +268,11 @@ def _run_parallel(blocks, work, device) -> None:
     def run(share):
         torch.set_num_threads(1)
         with torch.set_grad_enabled(grad):
-            for b in share:
-                work(b)
+            if per_share:
+                work(share)
+            else:
+                for b in share:
+                    work(b)
 
     try:
         with ThreadPoolExecutor(workers) as pool:
