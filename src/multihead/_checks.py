@@ -132,6 +132,26 @@ def check_positive_int(value, name: str, *, allow_zero: bool = False) -> int:
     return value
 
 
+def check_indices(value, size: int, name: str, what: str) -> list:
+    """None (all of ``range(size)``), or a list / 1-D integer tensor of indices in [0, size)."""
+    if value is None:
+        return list(range(size))
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {value.dtype} of shape {tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of {what} indices, got {type(value).__name__}; e.g. {name}=[0, 3]")
+    out = []
+    for i in value:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{name} must hold ints, got {type(i).__name__}")
+        if not 0 <= i < size:
+            raise ValueError(f"{name} has {i}, but there are {size} {what}s: use indices 0 .. {size - 1}")
+        out.append(int(i))
+    return out
+
+
 def check_choice(value, name: str, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")

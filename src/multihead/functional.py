@@ -12,7 +12,8 @@ import torch
 
 from . import backends as _backends
 from . import trace as _trace
-from ._checks import check_dropout, check_qkv, check_scale
+from ._checks import check_dropout, check_indices, check_qkv, check_scale
+from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .heads import repeat_kv
 from .masks import as_mask
@@ -51,7 +52,8 @@ def attention(
             tensor (added to the scores), broadcastable to (B, H, Lq, Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
-        backend: "auto", "reference", "sdpa" (see :func:`multihead.backends.names`).
+        backend: "auto", "reference", "sdpa", "chunked" (see :func:`multihead.backends.names`);
+            ``explain_dispatch`` says which one "auto" runs and why.
 
     Returns:
         (B, H, Lq, Dv). A query row with no visible key gives 0.
@@ -78,21 +80,42 @@ def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
     return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, mask=None, *, scale: Optional[float] = None) -> torch.Tensor:
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask=None,
+    *,
+    scale: Optional[float] = None,
+    heads=None,
+    rows=None,
+) -> torch.Tensor:
     """The softmax probabilities (B, H, Lq, Lk) for q (B, H, Lq, D) and k (B, Hkv, Lk, D).
 
     Rows sum to 1 where any key is visible and are all 0 where none is.
+
+    ``heads`` (query head indices) and/or ``rows`` (query positions), as lists of ints or 1-D
+    integer tensors, select a slice (B, len(heads), len(rows), Lk) computed from the chunked
+    backend's log-sum-exp, without the full (H, Lq, Lk) tensor: use them at long L.
     """
     check_qkv(q, k)
     scale = check_scale(scale, q.shape[-1])
     m = as_mask(mask)
     if m is not None:
         m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+    if heads is not None or rows is not None:
+        heads = check_indices(heads, q.shape[1], "heads", "query head")
+        rows = check_indices(rows, q.shape[2], "rows", "query position")
+        return _chunked.selected_weights(q, k, m, scale=scale, heads=heads, rows=rows)
     k = repeat_kv(k, q.shape[1] // k.shape[1])
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
 
 
-def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0) -> _backends.Dispatch:
-    """Which backend ``backend="auto"`` would run for this call, and why each other was refused."""
+def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False) -> _backends.Dispatch:
+    """Which backend ``backend="auto"`` would run for this call, and why each other was refused.
+
+    ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).
+    The thresholds are module settings: ``multihead.backends.sdpa.DENSE_MASK_BUDGET_BYTES`` and
+    ``multihead.backends.chunked.AUTO_MIN_SCORES``.
+    """
     m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
-    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p))
+    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights)))

@@ -34,6 +34,11 @@ those rows give output 0 and weights 0.
 
 A row that no key is left to attend to gives output 0 and weights 0 in every backend.
 
+Block-wise use (the ``chunked`` backend): :meth:`Mask.key_span` says which keys a run of queries
+can see at all (from the structural parts, causal and window), so whole blocks outside it are
+never computed; :meth:`Mask.block` builds the tensors of one (query block, key block) tile only,
+never the full (Lq, Lk) mask, and nothing at all for a structural part that allows the whole tile.
+
 Legend: B batch, H query heads, Lq/Lk query/key lengths.
 """
 
@@ -55,6 +60,7 @@ __all__ = [
     "bias",
     "as_mask",
     "from_torch",
+    "split_additive",
     "ALIGNMENTS",
 ]
 
@@ -107,6 +113,40 @@ class Mask:
                 bias_t = b if bias_t is None else bias_t + b
         return MaskTensors(keep_t, bias_t)
 
+    def key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` that queries ``q0 .. q1-1`` may see at most (``lo >= hi``: none).
+
+        Only the structural parts (causal, window) narrow the span; a tensor part may hide more
+        keys inside it, which :meth:`block` then masks.
+        """
+        lo, hi = 0, lk
+        for part in self.parts:
+            plo, phi = part._key_span(q0, q1, lq, lk)
+            lo, hi = max(lo, plo), min(hi, phi)
+        return lo, hi
+
+    def block(self, q0: int, q1: int, k0: int, k1: int, shape, *, device, dtype) -> MaskTensors:
+        """The mask of the tile queries ``q0 .. q1-1`` x keys ``k0 .. k1-1`` of ``shape`` = (B, H, Lq, Lk).
+
+        ``keep`` and ``bias`` are 4-D, broadcastable to (B, H, q1-q0, k1-k0), or None when no
+        part restricts the tile (a causal or window part that allows all of it builds nothing).
+        Tensor parts are sliced, not copied; only the tile's own causal/window grid is built.
+        """
+        keep_t: Optional[torch.Tensor] = None
+        bias_t: Optional[torch.Tensor] = None
+        for part in self.parts:
+            k, b = part._build_block(q0, q1, k0, k1, tuple(shape), device=device, dtype=dtype)
+            if k is not None:
+                keep_t = k if keep_t is None else keep_t & k
+            if b is not None:
+                bias_t = b if bias_t is None else bias_t + b
+        return MaskTensors(keep_t, bias_t)
+
+    def dense_shape(self, shape) -> tuple[int, ...]:
+        """Shape of the tensor :meth:`materialize` would build for ``shape`` = (B, H, Lq, Lk),
+        computed without building it: a causal or window part alone is (Lq, Lk)."""
+        return tuple(torch.broadcast_shapes(*(part._dense_shape(tuple(shape)) for part in self.parts)))
+
     def check(self, shape, device, name: str = "mask") -> None:
         """Raise ValueError when this mask cannot apply to ``shape`` = (B, H, Lq, Lk) on ``device``."""
         for part in self.parts:
@@ -118,6 +158,22 @@ class Mask:
 
     def _check(self, shape, device, name) -> None:
         return None
+
+    def _key_span(self, q0, q1, lq, lk) -> tuple[int, int]:
+        return 0, lk
+
+    def _dense_shape(self, shape) -> tuple[int, ...]:
+        tensor = getattr(self, "tensor", None)
+        return tuple(shape[-2:]) if tensor is None else tuple(tensor.shape)
+
+    def _additive_tensor(self, shape) -> Optional[torch.Tensor]:
+        """For a part added to the scores: its float tensor as 4-D (B|1, H|1, Lq|1, Lk|1), else None."""
+        return None
+
+    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+        """Default for tensor leaves: slice what :meth:`_build` returns (a view, no copy)."""
+        keep_t, bias_t = self._build(shape, device=device, dtype=dtype)
+        return _tile(keep_t, q0, q1, k0, k1), _tile(bias_t, q0, q1, k0, k1)
 
 
 class AllOf(Mask):
@@ -132,6 +188,26 @@ class AllOf(Mask):
 
     def __repr__(self) -> str:
         return " & ".join(repr(p) for p in self._parts)
+
+
+def _tile(t: Optional[torch.Tensor], q0, q1, k0, k1) -> Optional[torch.Tensor]:
+    """4-D view of ``t`` (broadcastable to (B, H, Lq, Lk)) restricted to one tile.
+
+    A size-1 (broadcast) query or key axis stays size 1; a full-size axis is sliced.
+    """
+    if t is None:
+        return None
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    rows = slice(None) if t.shape[-2] == 1 else slice(q0, q1)
+    cols = slice(None) if t.shape[-1] == 1 else slice(k0, k1)
+    return t[:, :, rows, cols]
+
+
+def _tile_grid(q0, q1, k0, k1, offset: int, device):
+    """Query positions (shifted by ``offset``) as a column and key positions as a row, for one tile."""
+    i = torch.arange(q0, q1, device=device).unsqueeze(-1) + offset
+    j = torch.arange(k0, k1, device=device).unsqueeze(0)
+    return i, j
 
 
 def _index_grid(lq: int, lk: int, offset: int, device):
@@ -154,6 +230,17 @@ class Causal(Mask):
         lq, lk = shape[-2:]
         i, j = _index_grid(lq, lk, diagonal_offset(self.align, lq, lk), device)
         return j <= i, None
+
+    def _key_span(self, q0, q1, lq, lk):
+        return 0, min(lk, q1 + diagonal_offset(self.align, lq, lk))
+
+    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+        lq, lk = shape[-2:]
+        offset = diagonal_offset(self.align, lq, lk)
+        if k1 - 1 <= q0 + offset:  # the whole tile is on or below the diagonal
+            return None, None
+        i, j = _tile_grid(q0, q1, k0, k1, offset, device)
+        return (j <= i)[None, None], None
 
     def __repr__(self) -> str:
         return f"causal(align={self.align!r})"
@@ -190,6 +277,27 @@ class Window(Mask):
         if self.right is not None:
             ok = ok & (j <= i + self.right)
         return ok, None
+
+    def _key_span(self, q0, q1, lq, lk):
+        offset = diagonal_offset(self.align, lq, lk)
+        lo = 0 if self.left is None else max(0, q0 + offset - self.left)
+        hi = lk if self.right is None else min(lk, q1 - 1 + offset + self.right + 1)
+        return lo, hi
+
+    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+        lq, lk = shape[-2:]
+        offset = diagonal_offset(self.align, lq, lk)
+        left_ok = self.left is None or k0 >= q1 - 1 + offset - self.left
+        right_ok = self.right is None or k1 - 1 <= q0 + offset + self.right
+        if left_ok and right_ok:  # every query of the tile sees every key of it
+            return None, None
+        i, j = _tile_grid(q0, q1, k0, k1, offset, device)
+        ok = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+        if not left_ok:
+            ok = ok & (j >= i - self.left)
+        if not right_ok:
+            ok = ok & (j <= i + self.right)
+        return ok[None, None], None
 
     def __repr__(self) -> str:
         return f"window(left={self.left}, right={self.right}, align={self.align!r})"
@@ -258,6 +366,13 @@ class Bias(Mask):
     def _build(self, shape, *, device, dtype):
         return None, self.tensor.to(dtype)
 
+    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+        return None, _tile(self.tensor, q0, q1, k0, k1).to(dtype)
+
+    def _additive_tensor(self, shape):
+        t = self.tensor
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
     def _check(self, shape, device, name):
         _check_broadcast(self.tensor, shape, device, name, "bias")
 
@@ -290,6 +405,9 @@ class KeyPadding(Mask):
     def _build(self, shape, *, device, dtype):
         return self.tensor[:, None, None, :], None
 
+    def _dense_shape(self, shape):
+        return (self.tensor.shape[0], 1, 1, self.tensor.shape[1])
+
     def _check(self, shape, device, name):
         t = self.tensor
         batch, _, _, lk = shape
@@ -305,6 +423,23 @@ class KeyPadding(Mask):
 
     def __repr__(self) -> str:
         return f"key_padding(shape={tuple(self.tensor.shape)})"
+
+
+def split_additive(mask: Optional[Mask], shape) -> tuple[Optional[Mask], tuple[torch.Tensor, ...]]:
+    """``(rest, biases)``: the mask without its parts added to the scores, and those parts'
+    float tensors, each 4-D and broadcastable to ``shape`` = (B, H, Lq, Lk) (views, no copy).
+
+    A backend that differentiates with respect to the biases takes them as separate inputs.
+    """
+    if mask is None:
+        return None, ()
+    rest, biases = [], []
+    for part in mask.parts:
+        t = part._additive_tensor(tuple(shape))
+        (rest if t is None else biases).append(part if t is None else t)
+    if not rest:
+        return None, tuple(biases)
+    return (rest[0] if len(rest) == 1 else AllOf(rest)), tuple(biases)
 
 
 def causal(align: str = "bottom_right") -> Mask:
@@ -427,6 +562,18 @@ class _TorchHeadsMask(Mask):
         if t.dtype == torch.bool:
             return ~t, None
         return None, t.to(dtype)
+
+    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+        t = _tile(self._unflatten(shape[1]), q0, q1, k0, k1)
+        if t.dtype == torch.bool:
+            return ~t, None
+        return None, t.to(dtype)
+
+    def _additive_tensor(self, shape):
+        return None if self.tensor.dtype == torch.bool else self._unflatten(shape[1])
+
+    def _dense_shape(self, shape):
+        return tuple(shape)
 
     def _check(self, shape, device, name):
         t = self.tensor

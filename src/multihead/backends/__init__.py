@@ -3,8 +3,10 @@
 Every backend is a function ``fn(q, k, v, mask, *, scale, dropout_p) -> out`` with
 q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a :class:`multihead.masks.Mask`
 or None, and out (B, H, Lq, Dv). Inputs arrive validated. Each backend also says, for a given
-call, why it cannot take it (or None when it can); ``"auto"`` picks the first backend in
-:data:`AUTO_ORDER` that accepts the call, and :func:`explain_dispatch` reports every reason.
+call, why it cannot take it (or None when it can), and may say why ``"auto"`` should not pick it
+although it could (too slow or too much memory for this call: ``auto_declines``). ``"auto"``
+picks the first backend in :data:`AUTO_ORDER` that neither refuses nor declines the call, and
+:func:`explain_dispatch` reports every reason; a backend named explicitly runs unless it refuses.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
 Dv value head dim.
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import trace as _trace
 from ..masks import Mask
 
 __all__ = ["Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
@@ -31,6 +34,7 @@ class Call:
     v: torch.Tensor
     mask: Optional[Mask]
     dropout_p: float
+    need_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Backend:
     fn: Callable[..., torch.Tensor]
     refuses: Callable[[Call], Optional[str]]
     summary: str
+    #: why ``"auto"`` should pass this call to a later backend although this one could run it
+    auto_declines: Optional[Callable[[Call], Optional[str]]] = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,10 @@ def explain_dispatch_call(call: Call) -> Dispatch:
     refused: dict = {}
     chosen = None
     for name in AUTO_ORDER:
-        why = _REGISTRY[name].refuses(call)
+        backend = _REGISTRY[name]
+        why = backend.refuses(call)
+        if why is None and backend.auto_declines is not None:
+            why = backend.auto_declines(call)
         if why is None and chosen is None:
             chosen = name
         elif why is not None:
@@ -96,7 +105,11 @@ def explain_dispatch_call(call: Call) -> Dispatch:
 def resolve(name: str, call: Call) -> Backend:
     """The backend to run ``call`` with: ``name`` itself, or the auto choice."""
     if name == "auto":
-        return _REGISTRY[explain_dispatch_call(call).backend]
+        dispatch = explain_dispatch_call(call)
+        tr = _trace.current()
+        if tr is not None:
+            tr.set_config(dispatch={"backend": dispatch.backend, "refused": dict(dispatch.refused)})
+        return _REGISTRY[dispatch.backend]
     backend = get(name)
     why = backend.refuses(call)
     if why is not None:
@@ -106,3 +119,4 @@ def resolve(name: str, call: Call) -> Backend:
 
 from . import reference as _reference  # noqa: E402  (registers itself)
 from . import sdpa as _sdpa  # noqa: E402
+from . import chunked as _chunked  # noqa: E402

@@ -5,11 +5,16 @@ the kernel as such, so the kernel can skip the blocks above the diagonal; other 
 materialised to one tensor (bool when there is no bias, float otherwise). Grouped-query calls
 use ``enable_gqa``. Rows with no visible key give 0 (PyTorch >= 2.5 does this itself).
 
+``backend="auto"`` declines SDPA when the dense mask it would need exceeds
+:data:`DENSE_MASK_BUDGET_BYTES` (a window or a bottom-right causal mask at long lengths); the
+``chunked`` backend then runs it without any (Lq, Lk) tensor.
+
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -19,6 +24,10 @@ from .. import trace as _trace
 from ..masks import Causal, Mask
 from . import Backend, Call, register
 
+#: ``backend="auto"`` passes a call on to the next backend when the dense mask tensors SDPA would
+#: need (our mask, plus the float copy PyTorch makes of a bool mask) exceed this many bytes.
+DENSE_MASK_BUDGET_BYTES = 256 * 2**20
+
 _KERNELS = {0: "math", 1: "flash attention", 2: "efficient attention", 3: "cuDNN attention", 4: "overrideable"}
 
 
@@ -26,9 +35,7 @@ def sdpa_mask_args(mask: Optional[Mask], shape, *, device, dtype):
     """(attn_mask, is_causal) for SDPA from one of our masks, for (B, H, Lq, Lk) = ``shape``."""
     if mask is None:
         return None, False
-    lq, lk = shape[-2:]
-    parts = mask.parts
-    if len(parts) == 1 and isinstance(parts[0], Causal) and (parts[0].align == "top_left" or lq == lk):
+    if _is_kernel_causal(mask, shape):
         return None, True
     mt = mask.materialize(shape, device=device, dtype=dtype)
     if mt.bias is None:
@@ -38,6 +45,22 @@ def sdpa_mask_args(mask: Optional[Mask], shape, *, device, dtype):
     else:
         t = mt.bias.masked_fill(~mt.keep, float("-inf"))
     return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)), False  # SDPA wants at least (Lq|1, Lk|1)
+
+
+def dense_mask_bytes(mask: Optional[Mask], shape, dtype: torch.dtype) -> int:
+    """Bytes of the mask tensors an SDPA call needs for (B, H, Lq, Lk) = ``shape`` (0 for none):
+    the materialised mask (bool or ``dtype``) and the ``dtype`` copy SDPA makes of a bool one."""
+    if mask is None or _is_kernel_causal(mask, shape):
+        return 0
+    numel = math.prod(mask.dense_shape(shape))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return numel * (1 + itemsize)
+
+
+def _is_kernel_causal(mask: Mask, shape) -> bool:
+    parts = mask.parts
+    lq, lk = shape[-2:]
+    return len(parts) == 1 and isinstance(parts[0], Causal) and (parts[0].align == "top_left" or lq == lk)
 
 
 def _kernel_name(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa) -> str:
@@ -69,6 +92,18 @@ def sdpa_attention(q, k, v, mask, *, scale, dropout_p):
 
 
 def _refuses(call: Call) -> Optional[str]:
+    if call.need_weights:
+        return "it does not return the attention weights (only 'reference' does)"
+    return None
+
+
+def _auto_declines(call: Call) -> Optional[str]:
+    shape = (call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2])
+    need = dense_mask_bytes(call.mask, shape, call.q.dtype)
+    if need > DENSE_MASK_BUDGET_BYTES:
+        return (f"its dense mask {call.mask!r} of shape {call.mask.dense_shape(shape)} would take "
+                f"{need / 2**20:.0f} MiB, over sdpa.DENSE_MASK_BUDGET_BYTES = "
+                f"{DENSE_MASK_BUDGET_BYTES / 2**20:.0f} MiB")
     return None
 
 
@@ -78,6 +113,7 @@ BACKEND = register(
         fn=sdpa_attention,
         refuses=_refuses,
         summary="torch.nn.functional.scaled_dot_product_attention (fused kernels)",
+        auto_declines=_auto_declines,
     ),
     auto_rank=0,
 )

@@ -1,0 +1,218 @@
+"""The chunked backend against torch SDPA, for issue 5's targets (B=1, H=8, D=64, fp32).
+
+* forward, no mask: chunked vs SDPA (target: chunked <= 1.5x SDPA's time);
+* forward, causal: chunked (skips the tiles above the diagonal) vs SDPA ``is_causal=True``;
+* forward, ``window(512)``: chunked (computes O(L·w)) vs SDPA given the same mask as a dense
+  (L, L) bool tensor (target: chunked >= 5x faster);
+* peak extra memory of one call, each in a fresh subprocess: resident memory after the inputs
+  exist vs the process's peak resident memory after the call (``VmHWM``; not ``ru_maxrss``,
+  which a child inherits from its parent's peak across fork/exec) (target: chunked <= 1 GiB
+  at L=32768).
+
+Timing: ``torch.utils.benchmark``, candidates interleaved in rounds (A, B, A, B, ...) in this one
+process; each candidate's figure is its fastest round (other processes on a shared machine only
+add time) and the ratio is formed from those. GFLOP/s count the useful work only: 4·D FLOPs per
+visible (query, key) pair. The matmul rate of the same run is printed for scale.
+
+``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048]``;
+``main(quick=...)`` returns the markdown report (for ``python -m benchmarks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+_SRC = Path(__file__).resolve().parent.parent / "src"
+if _SRC.is_dir() and str(_SRC) not in sys.path:  # this checkout's multihead, installed or not
+    sys.path.insert(0, str(_SRC))
+
+from multihead import masks
+from multihead.backends import chunked
+from multihead.backends.chunked import chunked_attention
+
+B, H, D, WINDOW = 1, 8, 64, 512
+GiB = 2 ** 30
+
+
+def _inputs(L: int, grad: bool = False, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, D, generator=g).requires_grad_(grad) for _ in range(3)]
+
+
+def visible_pairs(kind: str, L: int) -> int:
+    if kind == "causal":
+        return L * (L + 1) // 2
+    if kind == "window":
+        return sum(min(i, WINDOW) + 1 for i in range(L))
+    return L * L
+
+
+def _time_once(fn) -> float:
+    return benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).timeit(1).mean
+
+
+def side_by_side(cands: dict, rounds: int, warm_up: bool = True) -> dict:
+    """{name: fastest seconds over ``rounds`` interleaved rounds} (one call per round)."""
+    if warm_up:
+        for fn in cands.values():
+            fn()
+    best = {name: float("inf") for name in cands}
+    for _ in range(rounds):
+        for name, fn in cands.items():
+            best[name] = min(best[name], _time_once(fn))
+    return best
+
+
+def matmul_gflops(n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / min(_time_once(lambda: a @ b) for _ in range(5)) / 1e9
+
+
+def _blocks_kw(blocks):
+    return {} if blocks is None else {"block_q": blocks[0], "block_k": blocks[1]}
+
+
+def speed_rows(L: int, rounds: int, blocks=None) -> list[dict]:
+    q, k, v = _inputs(L)
+    kw = _blocks_kw(blocks)
+    rows = []
+    cases = {
+        "no mask": (None, dict(), None),
+        "causal": (masks.causal(), dict(is_causal=True), "causal"),
+        f"window({WINDOW})": (masks.window(WINDOW), None, "window"),
+    }
+    for label, (mask, sdpa_kw, kind) in cases.items():
+        with torch.no_grad():
+            if sdpa_kw is None:  # the same window as a dense (L, L) bool tensor, built once
+                i = torch.arange(L)
+                dense = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - WINDOW)
+                sdpa_kw = dict(attn_mask=dense)
+            cands = {
+                "chunked": lambda: chunked_attention(q, k, v, mask, **kw),
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, **sdpa_kw),
+            }
+            t = side_by_side(cands, rounds, warm_up=L < 16384)  # long calls: the rounds warm up
+            sdpa_kw = None
+        flops = 4.0 * B * H * D * visible_pairs(kind or "full", L)
+        rows.append({
+            "case": label, "L": L, "chunked_s": t["chunked"], "sdpa_s": t["sdpa"],
+            "chunked/sdpa": t["chunked"] / t["sdpa"],
+            "chunked_gflops": flops / t["chunked"] / 1e9, "sdpa_gflops": flops / t["sdpa"] / 1e9,
+        })
+        print(_speed_line(rows[-1]), flush=True)
+    return rows
+
+
+def _speed_line(r: dict) -> str:
+    return (f"{r['case']:>12} L={r['L']}: chunked {r['chunked_s']:.3f} s ({r['chunked_gflops']:.1f} GFLOP/s), "
+            f"sdpa {r['sdpa_s']:.3f} s ({r['sdpa_gflops']:.1f} GFLOP/s), chunked/sdpa = {r['chunked/sdpa']:.2f}")
+
+
+def block_rows(L: int, rounds: int, configs) -> list[dict]:
+    """Tile sizes side by side (forward, no mask and causal) for tuning."""
+    q, k, v = _inputs(L)
+    out = []
+    for label, mask in (("no mask", None), ("causal", masks.causal())):
+        with torch.no_grad():
+            cands = {f"{bq}x{bk}": (lambda bq=bq, bk=bk: chunked_attention(q, k, v, mask, block_q=bq, block_k=bk))
+                     for bq, bk in configs}
+            cands["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None)
+            t = side_by_side(cands, rounds)
+        out.append({"case": label, "L": L, **t})
+        print(f"{label:>8} L={L}: " + ", ".join(f"{n} {s:.3f} s ({s / t['sdpa']:.2f}x sdpa)" for n, s in t.items()), flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- memory, in a fresh process
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), reset by exec unlike ``ru_maxrss``."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _child(which: str, L: int) -> dict:
+    backward = which.endswith("+backward")
+    q, k, v = _inputs(L, grad=backward)
+    before = _rss_bytes()
+    if which.startswith("chunked"):
+        out = chunked_attention(q, k, v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v)
+    if backward:
+        out.sum().backward()
+    return {"extra_bytes": max(0, _peak_rss_bytes() - before)}
+
+
+def peak_extra_bytes(which: str, L: int, timeout_s: float = 1800) -> int:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", which, str(L)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["extra_bytes"]
+
+
+# ---------------------------------------------------------------- report
+
+
+def main(argv=None, *, quick: bool = False) -> str:
+    p = argparse.ArgumentParser(prog="bench_chunked", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="L = 8192, two rounds")
+    p.add_argument("--length", type=int, default=None, help="sequence length (default 32768, quick 8192)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--blocks", default=None, help="compare tile sizes instead, e.g. 256x1024,128x2048")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--only-memory", action="store_true")
+    args = p.parse_args([] if argv is None else argv)
+    quick = quick or args.quick
+    L = args.length or (8192 if quick else 32768)
+    rounds = args.rounds or (2 if quick else 3)
+    threads = torch.get_num_threads()
+    head = (f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} cores, load average "
+            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; fp32 matmul {matmul_gflops():.1f} GFLOP/s")
+    print(head, flush=True)
+    if args.blocks:
+        configs = [tuple(int(x) for x in c.split("x")) for c in args.blocks.split(",")]
+        block_rows(L, rounds, configs)
+        return head
+    lines = ["## chunked backend vs SDPA (forward, B=1, H=8, D=64, fp32)", "", head, "",
+             f"default tiles: {chunked.BLOCK_ROWS} query rows x {chunked.BLOCK_K} keys", "",
+             "| case | L | chunked s | SDPA s | chunked / SDPA | chunked GFLOP/s | SDPA GFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in ([] if args.only_memory else speed_rows(L, rounds)):
+        lines.append(f"| {r['case']} | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} | "
+                     f"{r['chunked/sdpa']:.2f} | {r['chunked_gflops']:.1f} | {r['sdpa_gflops']:.1f} |")
+    lines += ["", f"SDPA's window({WINDOW}) gets the mask as a dense (L, L) bool tensor."]
+    if not args.no_memory:
+        lines += ["", "| peak extra memory (fresh process), no mask | L | MiB |", "|---|---|---|"]
+        for which in ("chunked", "sdpa", "chunked+backward"):
+            extra = peak_extra_bytes(which, L)
+            print(f"peak extra memory {which} L={L}: {extra / 2**20:.0f} MiB", flush=True)
+            lines.append(f"| {which} | {L} | {extra / 2**20:.0f} |")
+    report = "\n".join(lines)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(_child(sys.argv[2], int(sys.argv[3]))))
+    else:
+        main(sys.argv[1:])

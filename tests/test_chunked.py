@@ -1,0 +1,480 @@
+"""The chunked backend against the float64 oracle, its tiles, skipping, memory and the auto dispatch."""
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import multihead as mh
+from multihead import masks
+from multihead.backends import chunked, sdpa
+from multihead.backends.chunked import chunked_attention
+from ref64 import attention64, causal_keep, window_keep
+
+
+def qkv(B=2, H=4, Hkv=None, Lq=13, Lk=None, D=6, Dv=None, dtype=torch.float64, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    Hkv = H if Hkv is None else Hkv
+    Lk = Lq if Lk is None else Lk
+    Dv = D if Dv is None else Dv
+    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+    return make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+
+
+# odd lengths, never a multiple of the tiles used below (block_q=4, block_k=5)
+SHAPES = {
+    "self": dict(Lq=13, Lk=13),
+    "more_keys": dict(Lq=7, Lk=23),
+    "more_queries": dict(Lq=19, Lk=6),
+    "gqa": dict(H=6, Hkv=2, Lq=11, Lk=17),
+    "mqa": dict(H=3, Hkv=1, Lq=9, Lk=9, Dv=4),
+}
+
+
+def dense(kind, B, H, Lq, Lk, g):
+    """(mask for multihead, dense keep, dense bias) for the oracle."""
+    rand_keep = lambda *s: torch.rand(*s, generator=g) > 0.35
+    if kind == "none":
+        return None, None, None
+    if kind == "causal":
+        return masks.causal(), causal_keep(Lq, Lk), None
+    if kind == "causal_top_left":
+        return masks.causal("top_left"), causal_keep(Lq, Lk, "top_left"), None
+    if kind == "window":
+        return masks.window(3), window_keep(Lq, Lk, 3, 0), None
+    if kind == "window_two_sided_top_left":
+        return masks.window(2, 4, align="top_left"), window_keep(Lq, Lk, 2, 4, "top_left"), None
+    if kind == "window_right_only":
+        return masks.window(None, 1), window_keep(Lq, Lk, None, 1), None
+    if kind == "padding":
+        kp = rand_keep(B, Lk)
+        return masks.key_padding(kp), kp[:, None, None, :], None
+    if kind == "keep_per_head":
+        k = rand_keep(B, H, Lq, Lk)
+        return k, k, None
+    if kind == "bias":
+        b = torch.randn(B, H, Lq, Lk, generator=g, dtype=torch.float64)
+        return b, None, b
+    if kind == "bias_key_row":  # broadcast over queries: (B, 1, 1, Lk)
+        b = torch.randn(B, 1, 1, Lk, generator=g, dtype=torch.float64)
+        return masks.bias(b), None, b
+    if kind == "bias&window&padding":
+        b = torch.randn(H, Lq, Lk, generator=g, dtype=torch.float64)
+        kp = rand_keep(B, Lk)
+        m = masks.bias(b) & masks.window(4, 1) & masks.key_padding(kp)
+        return m, window_keep(Lq, Lk, 4, 1) & kp[:, None, None, :], b
+    if kind == "causal&keep&top_left_window":
+        k = rand_keep(Lq, Lk)
+        m = masks.causal() & masks.keep(k) & masks.window(15, None, align="top_left")
+        return m, causal_keep(Lq, Lk) & k & window_keep(Lq, Lk, 15, None, "top_left"), None
+    if kind == "from_torch_3d":
+        blocked = torch.rand(B * H, Lq, Lk, generator=g) > 0.7
+        return masks.from_torch(attn_mask=blocked), ~blocked.view(B, H, Lq, Lk), None
+    raise AssertionError(kind)
+
+
+KINDS = ["none", "causal", "causal_top_left", "window", "window_two_sided_top_left", "window_right_only",
+         "padding", "keep_per_head", "bias", "bias_key_row", "bias&window&padding",
+         "causal&keep&top_left_window", "from_torch_3d"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_float64_oracle_with_small_tiles(shape, kind):
+    q, k, v = qkv(**SHAPES[shape])
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    m, keep, bias = dense(kind, B, H, Lq, Lk, torch.Generator().manual_seed(4))
+    out, lse = chunked_attention(q, k, v, m, block_q=4, block_k=5, return_lse=True)
+    expect, _ = attention64(q, k, v, keep, bias)
+    assert (out - expect).abs().max() <= 1e-12
+    # lse = logsumexp of the oracle's scaled, masked scores
+    kr = k.repeat_interleave(H // k.shape[1], dim=1)
+    s = q @ kr.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    expect_lse = torch.logsumexp(s, dim=-1)
+    assert torch.equal(lse == float("-inf"), expect_lse == float("-inf"))
+    finite = torch.isfinite(expect_lse)
+    assert finite.any()
+    assert (lse[finite] - expect_lse[finite]).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bias&window&padding", "keep_per_head"])
+@pytest.mark.parametrize("blocks", [(1, 1), (3, 64), (64, 2)])
+def test_float32_error_within_twice_the_reference_backend(kind, blocks):
+    q, k, v = qkv(H=4, Hkv=2, Lq=37, Lk=29, D=16, dtype=torch.float32, seed=3)
+    m, keep, bias = dense(kind, 2, 4, 37, 29, torch.Generator().manual_seed(6))
+    if isinstance(m, torch.Tensor) and m.is_floating_point():
+        m = m.float()
+    elif kind == "bias&window&padding":
+        m = masks.bias(bias.float()) & masks.window(4, 1) & m.parts[2]
+    expect, _ = attention64(q, k, v, keep, bias)
+    out = chunked_attention(q, k, v, m, block_q=blocks[0], block_k=blocks[1])
+    ref_err = (mh.attention(q, k, v, m, backend="reference").double() - expect).abs().max().item()
+    err = (out.double() - expect).abs().max().item()
+    assert out.dtype == torch.float32
+    assert err <= 2 * ref_err + 2 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_are_accumulated_in_float32(dtype):
+    q, k, v = qkv(H=4, Hkv=2, Lq=40, Lk=40, D=16, dtype=dtype, seed=8)
+    out = chunked_attention(q, k, v, masks.window(9), block_q=6, block_k=7)
+    expect, _ = attention64(q, k, v, window_keep(40, 40, 9, 0))
+    ref = mh.attention(q, k, v, masks.window(9), backend="reference")
+    ref_err = (ref.double() - expect).abs().max().item()
+    assert out.dtype == dtype
+    assert (out.double() - expect).abs().max().item() <= 2 * ref_err + 2 * torch.finfo(dtype).eps
+
+
+def test_non_contiguous_inputs_as_the_module_passes_them():
+    x = torch.randn(2, 11, 4, 6, dtype=torch.float64)  # (B, L, H, D) -> (B, H, L, D) view
+    q = k = v = x.transpose(1, 2)
+    out = chunked_attention(q, k, v, masks.causal(), block_q=3, block_k=4)
+    expect, _ = attention64(q, k, v, causal_keep(11, 11))
+    assert (out - expect).abs().max() <= 1e-12
+
+
+def test_module_with_chunked_backend_matches_reference():
+    torch.manual_seed(0)
+    mha = mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, backend="chunked").double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    ref = mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, backend="reference").double()
+    ref.load_state_dict(mha.state_dict())
+    assert (mha(x) - ref(x)).abs().max() <= 1e-12
+
+
+def test_rows_without_keys_give_zero_output_lse_minus_inf_and_zero_grads():
+    q, k, v = qkv(B=1, H=2, Lq=9, Lk=4, grad=True)
+    keep = torch.ones(1, 2, 9, 4, dtype=torch.bool)
+    keep[0, 1, 7] = False  # also blocked by a keep mask in one head
+    out, lse = chunked_attention(q, k, v, masks.causal() & masks.keep(keep), block_q=2, block_k=3, return_lse=True)
+    assert torch.equal(out[0, :, :5], torch.zeros(2, 5, 6, dtype=torch.float64))  # Lq - Lk = 5 rows
+    assert torch.equal(out[0, 1, 7], torch.zeros(6, dtype=torch.float64))
+    assert (lse[0, :, :5] == float("-inf")).all() and lse[0, 1, 7] == float("-inf")
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0, :, :5], torch.zeros(2, 5, 6, dtype=torch.float64))
+    assert torch.equal(q.grad[0, 1, 7], torch.zeros(6, dtype=torch.float64))
+
+
+def test_empty_lengths_are_defined():
+    q, k, v = qkv(Lq=3, Lk=4, grad=True)
+    out, lse = chunked_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    assert torch.equal(out, torch.zeros(2, 4, 3, 6, dtype=torch.float64))
+    assert (lse == float("-inf")).all() and lse.shape == (2, 4, 3)
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    out, lse = chunked_attention(q[:, :, :0], k, v, return_lse=True)
+    assert out.shape == (2, 4, 0, 6) and lse.shape == (2, 4, 0)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window_two_sided_top_left", "causal&keep&top_left_window"])
+def test_gradcheck_q_k_v(kind):
+    q, k, v = qkv(B=1, H=2, Hkv=1, Lq=5, Lk=7, D=2, grad=True, seed=2)
+    m, _, _ = dense(kind, 1, 2, 5, 7, torch.Generator().manual_seed(1))
+    f = lambda q, k, v: chunked_attention(q, k, v, m, block_q=2, block_k=4)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, 5, 6), (1, 1, 1, 6), (5, 6)])
+def test_gradcheck_bias_and_lse(bias_shape):
+    q, k, v = qkv(B=1, H=2, Hkv=1, Lq=5, Lk=6, D=2, grad=True, seed=4)
+    b = torch.randn(*bias_shape, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, b):
+        out, lse = chunked_attention(q, k, v, masks.bias(b) & masks.causal(), block_q=2, block_k=4, return_lse=True)
+        return out, lse
+
+    assert torch.autograd.gradcheck(f, (q, k, v, b))
+
+
+def test_gradients_match_reference_backend_at_larger_size():
+    q, k, v = qkv(B=2, H=4, Hkv=1, Lq=70, Lk=90, D=8, grad=True, seed=9)
+    b = torch.randn(4, 70, 90, dtype=torch.float64, requires_grad=True)
+    m = masks.bias(b) & masks.window(20, 3)
+    g = torch.randn(2, 4, 70, 8, dtype=torch.float64)
+    grads = []
+    for fn in (lambda: chunked_attention(q, k, v, m, block_q=16, block_k=32),
+               lambda: mh.attention(q, k, v, m, backend="reference")):
+        out = fn()
+        grads.append(torch.autograd.grad(out, (q, k, v, b), g))
+    for a, e in zip(*grads):
+        assert (a - e).abs().max() <= 1e-12
+
+
+# ---------------------------------------------------------------- tiles, spans, skipping
+
+
+TILE_MASKS = [
+    masks.causal(), masks.causal("top_left"), masks.window(3, 2), masks.window(None, 0, align="top_left"),
+    masks.window(4, None),
+]
+
+
+@pytest.mark.parametrize("lq,lk", [(9, 9), (5, 12), (12, 5)])
+@pytest.mark.parametrize("mask", TILE_MASKS, ids=repr)
+def test_key_span_is_exact_for_structural_masks_and_tiles_match_materialize(mask, lq, lk):
+    shape = (1, 1, lq, lk)
+    dense_keep = mask.materialize(shape, device="cpu", dtype=torch.float32).keep.reshape(lq, lk)
+    for q0 in range(lq):
+        for q1 in range(q0 + 1, lq + 1):
+            lo, hi = mask.key_span(q0, q1, lq, lk)
+            visible = dense_keep[q0:q1].any(0).nonzero().flatten().tolist()
+            if visible:
+                assert (lo, hi) == (visible[0], visible[-1] + 1)
+            else:
+                assert lo >= hi
+    for q0, q1, k0, k1 in [(0, 3, 0, 4), (2, lq, 1, lk), (lq - 1, lq, 0, lk), (1, 4, lk - 3, lk)]:
+        tile = mask.block(q0, q1, k0, k1, shape, device="cpu", dtype=torch.float32).keep
+        expect = dense_keep[q0:q1, k0:k1]
+        if tile is None:  # built nothing: the whole tile must be visible
+            assert expect.all()
+        else:
+            assert tile.dim() == 4 and torch.equal(tile.reshape(q1 - q0, k1 - k0), expect)
+
+
+def test_tiles_of_tensor_masks_are_views_of_the_users_tensors():
+    g = torch.Generator().manual_seed(0)
+    keep = torch.rand(2, 1, 6, 8, generator=g) > 0.5
+    b = torch.randn(3, 6, 8, generator=g)
+    kp = torch.rand(2, 8, generator=g) > 0.5
+    m = masks.keep(keep) & masks.bias(b) & masks.key_padding(kp)
+    shape = (2, 3, 6, 8)
+    full = m.materialize(shape, device="cpu", dtype=torch.float32)
+    tile = m.block(1, 4, 2, 7, shape, device="cpu", dtype=torch.float32)
+    assert torch.equal(tile.keep.expand(2, 3, 3, 5), full.keep.expand(2, 3, 6, 8)[:, :, 1:4, 2:7])
+    assert torch.equal(tile.bias.expand(2, 3, 3, 5), full.bias.expand(2, 3, 6, 8)[:, :, 1:4, 2:7])
+    bias_only = masks.bias(b).block(1, 4, 2, 7, shape, device="cpu", dtype=torch.float32).bias
+    assert bias_only.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_dense_shape_is_computed_without_building():
+    shape = (2, 8, 100, 300)
+    assert masks.window(5).dense_shape(shape) == (100, 300)
+    kp = torch.ones(2, 300, dtype=torch.bool)
+    assert (masks.causal() & masks.key_padding(kp)).dense_shape(shape) == (2, 1, 100, 300)
+    assert masks.bias(torch.zeros(8, 1, 300)).dense_shape(shape) == (8, 1, 300)
+
+
+def count_blocks(fn):
+    chunked.BLOCKS_COMPUTED.clear()
+    fn()
+    return dict(chunked.BLOCKS_COMPUTED)
+
+
+def test_causal_computes_about_half_the_tiles_and_backward_the_same():
+    L, bs = 256, 16
+    q, k, v = qkv(B=1, H=1, Lq=L, D=4, dtype=torch.float32, grad=True)
+    n = L // bs
+    full = count_blocks(lambda: chunked_attention(q, k, v, block_q=bs, block_k=bs))
+    assert full == {"forward": n * n}
+    counts = count_blocks(lambda: chunked_attention(q, k, v, masks.causal(), block_q=bs, block_k=bs).sum().backward())
+    assert counts == {"forward": n * (n + 1) // 2, "backward": n * (n + 1) // 2}  # 136 of 256
+
+
+def test_window_computes_tiles_in_proportion_to_the_window():
+    L, bs, w = 1024, 32, 64
+    q, k, v = qkv(B=1, H=1, Lq=L, D=4, dtype=torch.float32)
+    counts = count_blocks(lambda: chunked_attention(q, k, v, masks.window(w), block_q=bs, block_k=bs))
+    # query block i sees keys [i·bs - w, (i+1)·bs): (w + bs) / bs = 3 tiles, fewer at the start
+    expect = sum(len(range(max(0, i * bs - w), (i + 1) * bs, bs)) for i in range(L // bs))
+    assert counts["forward"] == expect == 3 * (L // bs) - 3
+    assert counts["forward"] <= (L // bs) * ((w + bs) // bs)  # O(L·w / block²), vs 1024 tiles in all
+
+
+def test_bottom_right_causal_with_a_long_cache_skips_nothing_it_needs():
+    q, k, v = qkv(B=1, H=2, Lq=3, Lk=40, D=4)
+    counts = count_blocks(lambda: chunked_attention(q, k, v, masks.causal(), block_q=8, block_k=8))
+    assert counts == {"forward": 5}
+    counts = count_blocks(lambda: chunked_attention(q, k, v, masks.causal("top_left"), block_q=8, block_k=8))
+    assert counts == {"forward": 1}  # top-left: the 3 queries see keys 0..2 only
+
+
+class MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("mask,L", [(None, 2048), (masks.causal(), 4096), (masks.window(256), 4096)], ids=repr)
+def test_no_lq_by_lk_tensor_is_created_in_forward_or_backward(mask, L):
+    q, k, v = qkv(B=1, H=1, Lq=L, D=4, dtype=torch.float32, grad=True)
+    with MaxNumel() as mode:
+        out = chunked_attention(q, k, v, mask)
+        out.sum().backward()
+    # the biggest tensor is one tile of scores: BLOCK_ROWS x BLOCK_K, at most 1/16 of L x L
+    assert mode.largest <= chunked.BLOCK_ROWS * chunked.BLOCK_K <= L * L // 16
+    with MaxNumel() as mode:  # the check can fail: the reference backend builds (L, L) scores
+        mh.attention(q[..., :1024, :], k[..., :1024, :], v[..., :1024, :], mask, backend="reference")
+    assert mode.largest >= 1024 * 1024
+
+
+# ---------------------------------------------------------------- attention_weights slices
+
+
+def test_selected_heads_and_rows_match_the_full_weights():
+    q, k, _ = qkv(B=2, H=6, Hkv=3, Lq=21, Lk=25)
+    g = torch.Generator().manual_seed(3)
+    m = masks.causal() & masks.bias(torch.randn(6, 21, 25, generator=g, dtype=torch.float64)) \
+        & masks.keep(torch.rand(2, 6, 21, 25, generator=g) > 0.2)
+    full = mh.attention_weights(q, k, m)
+    heads, rows = [5, 0, 3], [0, 1, 2, 20, 7, 8, 3]
+    sel = mh.attention_weights(q, k, m, heads=heads, rows=torch.tensor(rows))
+    assert sel.shape == (2, 3, 7, 25)
+    assert (sel - full[:, heads][:, :, rows]).abs().max() <= 1e-14
+    assert torch.equal(mh.attention_weights(q, k, m, heads=[2]), full[:, [2]]) or \
+        (mh.attention_weights(q, k, m, heads=[2]) - full[:, [2]]).abs().max() <= 1e-14
+    assert (mh.attention_weights(q, k, m, rows=[4]) - full[:, :, [4]]).abs().max() <= 1e-14
+
+
+def test_selected_weights_are_differentiable():
+    q, k, _ = qkv(B=1, H=2, Lq=6, Lk=5, D=3, grad=True, seed=1)
+    f = lambda q, k: mh.attention_weights(q, k, masks.causal(), heads=[1], rows=[0, 4, 5])
+    assert torch.autograd.gradcheck(f, (q, k))
+
+
+def test_selected_weights_at_long_length_build_no_full_tensor():
+    L = 4096
+    q, k, _ = qkv(B=1, H=4, Lq=L, D=8, dtype=torch.float32)
+    with MaxNumel() as mode:
+        w = mh.attention_weights(q, k, masks.window(100), heads=[3], rows=[0, 2000, 4095])
+    assert mode.largest < L * L // 8
+    assert w.shape == (1, 1, 3, L)
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 1, 3), rtol=0, atol=1e-5)
+    assert (w[0, 0, 1, :1900] == 0).all() and (w[0, 0, 1, 1900:2001] > 0).all()
+
+
+def test_index_arguments_are_checked():
+    q, k, _ = qkv()
+    with pytest.raises(ValueError, match="heads has 4, but there are 4 query heads"):
+        mh.attention_weights(q, k, heads=[4])
+    with pytest.raises(TypeError, match="rows must be a 1-D integer tensor"):
+        mh.attention_weights(q, k, rows=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="block_q must be positive"):
+        chunked_attention(q, k, k, block_q=0)
+
+
+# ---------------------------------------------------------------- auto dispatch and its reasons
+
+
+def test_auto_keeps_sdpa_for_short_sequences_and_says_why_not_chunked():
+    q, k, v = qkv(B=1, H=2, Lq=64, D=8, dtype=torch.float32)
+    d = mh.explain_dispatch(q, k, v, masks.window(8))
+    assert d.backend == "sdpa"
+    assert "below chunked.AUTO_MIN_SCORES" in d.refused["chunked"]
+    assert d.refused["reference"] == "'sdpa' comes first in the auto order"
+
+
+def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget():
+    L = 8192  # window mask (L, L): 64 Mi bools and SDPA's float copy: 320 MiB > 256 MiB
+    q, k, v = qkv(B=1, H=1, Lq=L, D=1, dtype=torch.float32)
+    d = mh.explain_dispatch(q, k, v, masks.window(512))
+    assert d.backend == "chunked"
+    assert "sdpa.DENSE_MASK_BUDGET_BYTES" in d.refused["sdpa"] and "320 MiB" in d.refused["sdpa"]
+    # a top-left causal mask goes to SDPA as is_causal: no dense mask, no reason to decline
+    assert mh.explain_dispatch(q, k, v, masks.causal("top_left")).backend == "sdpa"
+    # bottom-right with Lq != Lk needs a dense mask
+    d = mh.explain_dispatch(q[..., :4096, :], k, v, masks.causal())
+    assert d.backend == "sdpa"  # 4096 x 8192 x 5 bytes = 160 MiB, within the budget
+
+
+def test_budget_is_a_module_setting(monkeypatch):
+    q, k, v = qkv(B=1, H=2, Lq=2048, D=2, dtype=torch.float32)
+    assert mh.explain_dispatch(q, k, v, masks.causal("bottom_right") & masks.window(64)).backend == "sdpa"
+    monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 2**20)
+    d = mh.explain_dispatch(q, k, v, masks.window(64))
+    assert d.backend == "chunked" and "1 MiB" in d.refused["sdpa"]
+    assert mh.explain_dispatch(q, k, v).backend == "sdpa"  # no mask: nothing dense to build
+
+
+def test_weights_and_dropout_reasons(monkeypatch):
+    q, k, v = qkv(B=1, H=2, Lq=2048, D=2, dtype=torch.float32)
+    d = mh.explain_dispatch(q, k, v, need_weights=True)
+    assert d.backend == "reference"
+    assert "weights" in d.refused["sdpa"] and "weights" in d.refused["chunked"]
+    monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
+    d = mh.explain_dispatch(q, k, v, masks.window(4), dropout_p=0.1)
+    assert d.backend == "reference" and "dropout is not supported" in d.refused["chunked"]
+    with pytest.raises(ValueError, match="backend 'chunked' cannot run this call: dropout"):
+        mh.attention(q, k, v, dropout_p=0.1, backend="chunked")
+
+
+def test_explicit_chunked_runs_even_where_auto_would_decline_it():
+    q, k, v = qkv(B=1, H=1, Lq=5, D=4)
+    expect, _ = attention64(q, k, v)
+    assert (mh.attention(q, k, v, backend="chunked") - expect).abs().max() <= 1e-12
+
+
+def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
+    monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
+    monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
+    q, k, v = qkv(B=1, H=2, Lq=300, Lk=2100, D=4, dtype=torch.float32)
+    with mh.trace() as t:
+        mh.attention(q, k, v, masks.causal())
+    assert t.config["backend"] == "chunked"
+    assert t.config["dispatch"]["backend"] == "chunked"
+    assert "DENSE_MASK_BUDGET_BYTES" in t.config["dispatch"]["refused"]["sdpa"]
+    assert len(t.steps) == 1 and t.steps[0].shape == (1, 2, 300, 4)
+    # bottom-right causal with Lk - Lq = 1800: every query block needs every key block
+    n = math.ceil(300 / chunked.BLOCK_ROWS) * math.ceil(2100 / chunked.BLOCK_K)
+    assert f"{n} computed of about {n}" in t.steps[0].note
+
+
+@pytest.mark.parametrize("dtype,jump", [(torch.float64, 600.0), (torch.float32, 60.0), (torch.float32, 30.0)])
+def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
+    # the first key block has scores near 0; later keys score up to `jump` higher (the tile
+    # would overflow with the first tile's shift once jump > log(max float) / 2)
+    q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True) * 0.1
+    k[:, :, 12:] = q[:, :, :1] * jump * 2  # scale 1/√D = 1/2
+    keep = torch.ones(9, 30, dtype=torch.bool)
+    keep[3, :10] = False  # row 3 sees nothing in the first tile
+    expect, _ = attention64(q, k, v, keep)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    chunked.BLOCKS_COMPUTED.clear()
+    out = chunked_attention(q, k, v, keep, block_q=4, block_k=10)
+    redone = chunked.BLOCKS_COMPUTED["redone"]
+    assert redone == 0 if jump < math.log(torch.finfo(dtype).max) / 2 else redone > 0
+    assert torch.isfinite(out).all()
+    err = (out.double() - expect).abs().max().item()
+    if dtype == torch.float64:  # scores of size `jump` carry rounding of jump·eps ~ 1e-13
+        assert err <= 1e-12
+    else:
+        ref_err = (mh.attention(q, k, v, keep, backend="reference").double() - expect).abs().max().item()
+        assert err <= 2 * ref_err + 2 * torch.finfo(dtype).eps
+
+
+def test_query_blocks_shared_among_threads_give_the_same_result_and_restore_threads(monkeypatch):
+    q, k, v = qkv(B=1, H=4, Hkv=2, Lq=50, Lk=45, D=4, seed=12, grad=True)
+    expect, _ = attention64(q, k, v, causal_keep(50, 45))
+    g = torch.randn_like(expect)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = {}
+        for parallel in (True, False):
+            monkeypatch.setattr(chunked, "PARALLEL", parallel)
+            out = chunked_attention(q, k, v, masks.causal(), block_q=4, block_k=6)
+            results[parallel] = (out, *torch.autograd.grad(out, (q, k, v), g))
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert (results[True][0] - expect).abs().max() <= 1e-12
+    for a, b in zip(results[True], results[False]):
+        assert (a - b).abs().max() <= 1e-12
