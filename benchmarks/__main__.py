@@ -3,22 +3,20 @@
 Sections, all in this one process except the memory probes (a fresh subprocess each):
 module overhead vs the same work by hand; decode step vs raw ops and tokens/s with and without a
 KV cache; every implementation side by side for L from 512 to 32768 (what would not fit the
-time or memory budget is skipped and listed); peak memory; and, when
-``benchmarks/bench_chunked.py`` exists (the chunked backend's own benchmark), its ``main()``.
+time or memory budget is skipped and listed); peak memory; and the chunked
+backend against SDPA at long L (``benchmarks/bench_chunked.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from . import bench_attention, bench_decode, bench_overhead, memory
+from . import bench_attention, bench_chunked, bench_decode, bench_overhead, memory
 from . import harness as h
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,17 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _chunked_section(quick: bool):
-    """The chunked backend's benchmark (another module's main()), when that file exists."""
-    if not (Path(__file__).parent / "bench_chunked.py").exists():
-        return None
-    mod = importlib.import_module(".bench_chunked", __package__)
-    params = inspect.signature(mod.main).parameters
-    kwargs = {"quick": quick} if "quick" in params else {}
-    if "argv" in params:
-        kwargs["argv"] = []  # our own command line is not theirs
-    result = mod.main(**kwargs)
-    return result if isinstance(result, str) else "(printed above; bench_chunked.main returned no text)"
+def _chunked_section(quick: bool) -> str:
+    """The chunked backend's benchmark (benchmarks/bench_chunked.py) as a markdown section."""
+    return bench_chunked.main(argv=[], quick=quick)
 
 
 def main(argv=None) -> int:
@@ -91,9 +81,7 @@ def main(argv=None) -> int:
         print("peak memory (subprocesses) ...", flush=True)
         parts.append(("Peak memory", memory.run(budget, mem_lengths)))
     if "chunked" in want:
-        chunked = _chunked_section(args.quick)
-        if chunked is not None:
-            parts.append(("Chunked backend (benchmarks/bench_chunked.py)", chunked))
+        parts.append(("Chunked backend (benchmarks/bench_chunked.py)", _chunked_section(args.quick)))
 
     minutes = (time.time() - t0) / 60
     info["run took"] = f"{minutes:.1f} min ({'quick' if args.quick else 'default'} mode)"
