@@ -38,3 +38,16 @@ def window_keep(lq, lk, left, right, align="bottom_right"):
     lo = -10**9 if left is None else -left
     hi = 10**9 if right is None else right
     return torch.tensor([[lo <= j - (i + off) <= hi for j in range(lk)] for i in range(lq)])
+
+
+def random_qkv(B=2, H=4, Hkv=None, Lq=5, Lk=None, D=8, Dv=None, dtype=torch.float64, seed=0, grad=False):
+    """Seeded q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) drawn in float64, then cast."""
+    g = torch.Generator().manual_seed(seed)
+    Hkv = H if Hkv is None else Hkv
+    Lk = Lq if Lk is None else Lk
+    Dv = D if Dv is None else Dv
+
+    def make(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+
+    return make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)

@@ -10,16 +10,11 @@ import multihead as mh
 from multihead import masks
 from multihead.backends import chunked, sdpa
 from multihead.backends.chunked import chunked_attention
-from ref64 import attention64, causal_keep, window_keep
+from ref64 import attention64, causal_keep, window_keep, random_qkv
 
 
-def qkv(B=2, H=4, Hkv=None, Lq=13, Lk=None, D=6, Dv=None, dtype=torch.float64, seed=0, grad=False):
-    g = torch.Generator().manual_seed(seed)
-    Hkv = H if Hkv is None else Hkv
-    Lk = Lq if Lk is None else Lk
-    Dv = D if Dv is None else Dv
-    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
-    return make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+def qkv(Lq=13, D=6, **kw):
+    return random_qkv(Lq=Lq, D=D, **kw)
 
 
 # odd lengths, never a multiple of the tiles used below (block_q=4, block_k=5)

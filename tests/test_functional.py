@@ -6,18 +6,13 @@ import torch.nn.functional as F
 
 import multihead as mh
 from multihead import masks
-from ref64 import attention64, causal_keep, window_keep
+from ref64 import attention64, causal_keep, window_keep, random_qkv
 
 BACKENDS = [n for n in mh.backends.names() if n != "auto"] + ["auto"]
 
 
-def qkv(B=2, H=4, Hkv=None, Lq=5, Lk=None, D=8, Dv=None, dtype=torch.float64, seed=0, grad=False):
-    g = torch.Generator().manual_seed(seed)
-    Hkv = H if Hkv is None else Hkv
-    Lk = Lq if Lk is None else Lk
-    Dv = D if Dv is None else Dv
-    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
-    return make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+def qkv(Lq=5, D=8, **kw):
+    return random_qkv(Lq=Lq, D=D, **kw)
 
 
 CASES = {

@@ -52,7 +52,8 @@ class MultiHeadAttention(nn.Module):
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights, applied in training only.
         causal: apply a bottom-right aligned causal mask (see :func:`multihead.masks.causal`).
-        backend: "auto" (fastest that supports the call), "reference" or "sdpa".
+        backend: "auto" (the fastest backend that supports the call), "reference", "sdpa" or
+            "chunked" (see :func:`multihead.explain_dispatch`).
         rope: True to rotate q and k by their positions (rotary embeddings, Hugging Face Llama's
             rotate-half layout), or a :class:`multihead.rope.RoPE` to use. Self-attention only.
         rope_base: the RoPE frequency base (ignored when ``rope`` is a RoPE object).

@@ -84,14 +84,19 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
+def _why_not(backend: Backend, call: Call) -> Optional[str]:
+    """Why ``auto`` passes ``call`` over ``backend``, or None when it can take it."""
+    why = backend.refuses(call)
+    if why is None and backend.auto_declines is not None:
+        why = backend.auto_declines(call)
+    return why
+
+
 def explain_dispatch_call(call: Call) -> Dispatch:
     refused: dict = {}
     chosen = None
     for name in AUTO_ORDER:
-        backend = _REGISTRY[name]
-        why = backend.refuses(call)
-        if why is None and backend.auto_declines is not None:
-            why = backend.auto_declines(call)
+        why = _why_not(_REGISTRY[name], call)
         if why is None and chosen is None:
             chosen = name
         elif why is not None:
@@ -103,13 +108,22 @@ def explain_dispatch_call(call: Call) -> Dispatch:
 
 
 def resolve(name: str, call: Call) -> Backend:
-    """The backend to run ``call`` with: ``name`` itself, or the auto choice."""
+    """The backend to run ``call`` with: ``name`` itself, or the auto choice.
+
+    For ``"auto"`` this asks the backends in AUTO_ORDER only until one accepts; the reasons of
+    all of them are gathered only when a trace is recording (it stores them).
+    """
     if name == "auto":
-        dispatch = explain_dispatch_call(call)
         tr = _trace.current()
         if tr is not None:
+            dispatch = explain_dispatch_call(call)
             tr.set_config(dispatch={"backend": dispatch.backend, "refused": dict(dispatch.refused)})
-        return _REGISTRY[dispatch.backend]
+            return _REGISTRY[dispatch.backend]
+        for candidate in AUTO_ORDER:
+            backend = _REGISTRY[candidate]
+            if _why_not(backend, call) is None:
+                return backend
+        raise AssertionError("the reference backend accepts every call")
     backend = get(name)
     why = backend.refuses(call)
     if why is not None:
