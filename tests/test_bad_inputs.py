@@ -423,6 +423,19 @@ def test_empty_sequences_give_empty_or_zero_output_and_zero_grads(backend, Lq, L
     assert w.shape == (B, H, Lq, Lk)
 
 
+@pytest.mark.parametrize("mask", [None, masks.causal()], ids=["no mask", "causal"])
+def test_attention_weights_of_no_heads_or_no_rows_is_empty(mask):
+    """heads=[] / rows=[] select nothing, as q[:, []] does: the empty slice of the full weights
+    (heads=[] raised "got Hq=0, Hkv=0", a message naming no argument; issue 11, defect 11)."""
+    full = multihead.attention_weights(Q, K, mask)
+    none = torch.tensor([], dtype=torch.int64)
+    for heads, rows, want in (([], None, full[:, []]), (none, [1, 3], full[:, []][:, :, [1, 3]]),
+                              (None, [], full[:, :, []]), ([0, 3], none, full[:, [0, 3]][:, :, []]),
+                              ([], [], full[:, []][:, :, []])):
+        got = multihead.attention_weights(Q, K, mask, heads=heads, rows=rows)
+        assert got.shape == want.shape and got.dtype == Q.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("Lq,Lk", EMPTY)
 @pytest.mark.parametrize("training", [False, True])
 def test_empty_sequences_in_the_modules(Lq, Lk, training):
