@@ -275,9 +275,10 @@ def test_bad_options_exit_2_with_one_line(argv, needle):
 
 # ----------------------------------------------------------------------------- sizes, --out, --version
 @pytest.mark.parametrize("option", ["--tokens", "--keys"])
-def test_sizes_the_walkthrough_cannot_show_are_refused_with_their_cap(option):
+def test_sizes_the_walkthrough_cannot_show_are_refused_with_their_cap(option, tmp_path, monkeypatch):
     """``--tokens 100000`` died in the allocator with a 40-line traceback and exit 1, and
     ``--keys 100000`` printed a walkthrough of 100000 keys (issue 11, defect 10)."""
+    monkeypatch.chdir(tmp_path)  # before --out - meant stdout, it wrote a file named "-"
     for fmt in ("text", "json", "html"):
         rc, out, err = run_cli(option, "100000", "--format", fmt, "--out", "-")
         assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
