@@ -95,7 +95,8 @@ def attention_weights(
 
     ``heads`` (query head indices) and/or ``rows`` (query positions), as lists of ints or 1-D
     integer tensors, select a slice (B, len(heads), len(rows), Lk) computed from the chunked
-    backend's log-sum-exp, without the full (H, Lq, Lk) tensor: use them at long L.
+    backend's log-sum-exp, without the full (H, Lq, Lk) tensor: use them at long L. An empty
+    list selects nothing: ``heads=[]`` gives (B, 0, Lq, Lk), ``rows=[]`` (B, H, 0, Lk).
     """
     check_qkv(q, k)
     scale = check_scale(scale, q.shape[-1])
@@ -105,6 +106,8 @@ def attention_weights(
     if heads is not None or rows is not None:
         heads = check_indices(heads, q.shape[1], "heads", "query head")
         rows = check_indices(rows, q.shape[2], "rows", "query position")
+        if not heads or not rows:  # nothing selected: the empty (B, len(heads), len(rows), Lk), like q[:, []]
+            return q.new_zeros(q.shape[0], len(heads), len(rows), k.shape[2])
         return _chunked.selected_weights(q, k, m, scale=scale, heads=heads, rows=rows)
     k = repeat_kv(k, q.shape[1] // k.shape[1])
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
