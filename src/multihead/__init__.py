@@ -5,11 +5,12 @@ Public surface:
 * :func:`attention`, :func:`attention_weights`, :func:`explain_dispatch` -- functional core
 * :mod:`multihead.masks` -- one mask convention: True = may attend
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
+* :class:`multihead.nn.MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``
 * :func:`trace` -- record the steps of a real forward pass
 * :class:`KVCache`, :class:`RoPE` -- step-by-step decoding and rotary position embeddings
 """
 
-from . import backends, masks
+from . import backends, masks, nn
 from .cache import KVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch
@@ -26,6 +27,7 @@ __all__ = [
     "explain_dispatch",
     "masks",
     "backends",
+    "nn",
     "MultiHeadAttention",
     "PerHeadAttention",
     "AttentionConfig",
