@@ -56,7 +56,8 @@ class KVCache:
 
     Any mix of grad mode, ``no_grad`` and ``inference_mode`` across appends works: buffers
     made under ``inference_mode`` are copied once into ordinary tensors by the first append
-    outside it (so ``key``/``value`` may then be new tensors).
+    outside it (so ``key``/``value`` may then be new tensors). Inside ``torch.compile`` that
+    copy is not made (dynamo cannot ask ``is_inference()``): there, use one mode per cache.
     """
 
     def __init__(self, max_len: int):
