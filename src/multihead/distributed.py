@@ -50,13 +50,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import masks as _masks
 from ._checks import check_qkv, check_scale
 from .backends.reference import compute_dtype
-from .heads import merge_heads, split_heads
 
 __all__ = [
     "LAYOUTS",
@@ -699,9 +697,11 @@ def ring_attention(
 class ContextParallel(nn.Module):
     """Runs a :class:`multihead.MultiHeadAttention` on a sequence sharded across ``group``.
 
-    The wrapped module's projections are applied to this rank's tokens and its attention step
-    becomes :func:`ring_attention`; the module's ``causal`` setting is honoured (zigzag layout
-    by default). Parameters are shared with the wrapped module, not copied.
+    The module's own steps run on this rank's tokens (its projections and head split, RoPE at
+    the shard's global positions from :func:`shard_positions`, the head merge and output
+    projection); only its attention step becomes :func:`ring_attention`. The module's
+    ``causal`` setting is honoured (zigzag layout by default). Parameters are shared with the
+    wrapped module, not copied.
 
     Each rank's parameter gradients are its shard's share: sum them over the group
     (``torch.distributed.all_reduce(p.grad, group=group)``) to get the gradients of the whole
@@ -730,22 +730,29 @@ class ContextParallel(nn.Module):
         (key/value default to query). mask: None or ``masks.key_padding`` of the (B, Lk) shard.
         Returns (B, Lq, d_out), this rank's rows of the module's output on the whole sequence."""
         mha, cfg = self.mha, self.mha.config
-        key = query if key is None else key
-        value = key if value is None else value
+        key, value = mha._defaults(query, key, value)
         mha._check_inputs(query, key, value)
         if mha.training and cfg.dropout > 0:
             raise ValueError(
                 f"the module has dropout={cfg.dropout}, which ring attention does not apply; "
                 "call mha.eval() or build it with dropout=0"
             )
-        q = split_heads(F.linear(query, mha.q_proj.weight, mha.q_proj.bias), cfg.num_heads, role="Q")
-        k = split_heads(F.linear(key, mha.k_proj.weight, mha.k_proj.bias), cfg.num_kv_heads, role="K")
-        v = split_heads(F.linear(value, mha.v_proj.weight, mha.v_proj.bias), cfg.num_kv_heads, role="V")
+        layout = self.layout or ("zigzag" if cfg.causal else "contiguous")
+        q, k, v = mha._project(query, key, value, None)
+        if mha.rope is not None:  # self-attention (checked above): the queries' positions are the keys'
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "ContextParallel needs torch.distributed: call torch.distributed.init_process_group"
+                    "(backend='gloo' or 'nccl') first, e.g. in a script launched with torchrun"
+                )
+            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+            positions = shard_positions(rank, world, query.shape[1] * world, layout, device=query.device)
+            q, k = mha._rotate(q, k, positions, None)
         o = ring_attention(
             q, k, v, mask, causal=cfg.causal, scale=cfg.head_dim ** -0.5, group=self.group,
-            layout=self.layout, timeout=self.timeout,
+            layout=layout, timeout=self.timeout,
         )
-        return F.linear(merge_heads(o), mha.out_proj.weight, mha.out_proj.bias)
+        return mha._merge_output(o, None)
 
 
 def context_parallel(mha: nn.Module, group=None, *, layout: Optional[str] = None, timeout: Optional[float] = None) -> ContextParallel:

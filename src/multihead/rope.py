@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
 import torch
 
@@ -44,6 +45,15 @@ def check_rope_base(base) -> float:
     if not (base > 1.0 and math.isfinite(base)):
         raise ValueError(f"rope_base must be finite and > 1, got {base}; the usual value is 10000.0")
     return base
+
+
+def _check_positions(positions, length: int) -> None:
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer torch.Tensor, got {getattr(positions, 'dtype', type(positions).__name__)}")
+    if tuple(positions.shape) != (length,):
+        raise ValueError(f"positions must have shape (L,) = ({length},), one per token, got {tuple(positions.shape)}")
+    if length and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
 
 
 class RoPE:
@@ -85,10 +95,19 @@ class RoPE:
             self._tables[key] = cached
         return cached[0][offset:end], cached[1][offset:end]
 
-    def __call__(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x (B, H, L, D) rotated for positions ``offset ... offset + L - 1``; same shape and dtype."""
+    def __call__(self, x: torch.Tensor, offset: int = 0, *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, H, L, D) rotated for positions ``offset ... offset + L - 1``, or for ``positions``,
+        an (L,) integer tensor of any positions (e.g. a context-parallel shard's, from
+        :func:`multihead.distributed.shard_positions`); same shape and dtype."""
         check_tensor(x, "x")
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x has head dim {x.shape[-1]} but this RoPE was built for head_dim={self.head_dim}")
-        cos, sin = self.cos_sin(x.shape[-2], offset=offset, device=x.device, dtype=x.dtype)
+        if positions is None:
+            cos, sin = self.cos_sin(x.shape[-2], offset=offset, device=x.device, dtype=x.dtype)
+        else:
+            _check_positions(positions, x.shape[-2])
+            end = int(positions.max()) + 1 if positions.numel() else 0
+            cos, sin = self.cos_sin(end, device=x.device, dtype=x.dtype)
+            index = positions.to(x.device)
+            cos, sin = cos[index], sin[index]
         return x * cos + rotate_half(x) * sin
