@@ -13,6 +13,7 @@ import torch
 from . import backends as _backends
 from . import trace as _trace
 from ._checks import check_dropout, check_indices, check_qkv, check_scale
+from ._numerics import autocast_inputs, outside_autocast
 from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .heads import repeat_kv
@@ -63,21 +64,36 @@ def attention(
         weights = softmax((q @ k.transpose(-2, -1)) * scale + bias, masked to -inf where not keep)
         out = dropout(weights) @ v
     """
+    q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
-    chosen = _backends.resolve(backend, _backends.Call(q, k, v, m, dropout_p))
+    return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
+
+
+def attend(q, k, v, mask, *, scale: float, dropout_p: float, backend: str = "auto") -> torch.Tensor:
+    """The trusted core behind :func:`attention` and the module: resolve the backend and run it.
+
+    Arguments arrive validated (``mask`` a Mask or None, ``scale`` a float) and, inside an
+    autocast region, already in autocast's dtype (:func:`multihead._numerics.autocast_inputs`);
+    the backend itself runs with autocast off, so that it computes as it documents (scores and
+    softmax in float32 for half inputs, biases at their own precision) in and out of autocast.
+    """
+    chosen = _backends.resolve(backend, _backends.Call(q, k, v, mask, dropout_p))
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend=chosen.name)
-    return chosen.fn(q, k, v, m, scale=scale, dropout_p=dropout_p)
+    with outside_autocast(q.device.type):
+        return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
 def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
     """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
+    q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend="reference")
-    return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
+    with outside_autocast(q.device.type):
+        return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
 
 
 def attention_weights(
