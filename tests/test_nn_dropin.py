@@ -22,7 +22,6 @@ import multihead as mh
 import multihead.integrations.torch_mha
 import multihead.nn
 from multihead.integrations.torch_mha import (
-    load_torch_state_dict,
     multihead_to_torch,
     torch_to_multihead,
 )
@@ -395,13 +394,11 @@ def test_from_torch_and_swap_in_copy_settings_weights_and_mode():
 
 
 def test_multihead_module_loads_torch_state_dict_through_the_hook():
-    """The pre-hook for MultiHeadAttention (registered here on an instance; the coordinator
-    registers it in MultiHeadAttention.__init__): nn.MultiheadAttention checkpoints load strict,
-    at the top level and as a submodule; its own state_dict still loads."""
+    """MultiHeadAttention registers the pre-hook itself: nn.MultiheadAttention checkpoints load
+    strict, at the top level and as a submodule; its own state_dict still loads."""
     for kw in ({}, {"kdim": 5, "vdim": 3}):
         ref = randomize(nn.MultiheadAttention(E, H, batch_first=True, dtype=F64, **kw)).eval()
         mha = mh.MultiHeadAttention(E, H, dtype=F64, **kw)
-        mha.register_load_state_dict_pre_hook(load_torch_state_dict)
         mha.load_state_dict(ref.state_dict(), strict=True)
         q, k, v = make_inputs("batch_first", "kdim_vdim" if kw else "kv_shared")
         with torch.enable_grad():
@@ -410,14 +407,12 @@ def test_multihead_module_loads_torch_state_dict_through_the_hook():
 
     outer_ref = nn.Sequential(nn.Linear(E, E, dtype=F64), randomize(nn.MultiheadAttention(E, H, dtype=F64)))
     outer = nn.Sequential(nn.Linear(E, E, dtype=F64), mh.MultiHeadAttention(E, H, dtype=F64))
-    outer[1].register_load_state_dict_pre_hook(load_torch_state_dict)
     outer.load_state_dict(outer_ref.state_dict(), strict=True)
     assert torch.equal(outer[1].k_proj.weight, outer_ref[1].in_proj_weight[E:2 * E])
 
     with_bias_kv = nn.MultiheadAttention(E, H, add_bias_kv=True, dtype=F64)
     with pytest.raises(RuntimeError, match="bias_k"):  # no MultiHeadAttention equivalent: named
         mha = mh.MultiHeadAttention(E, H, dtype=F64)
-        mha.register_load_state_dict_pre_hook(load_torch_state_dict)
         mha.load_state_dict(with_bias_kv.state_dict(), strict=True)
 
 

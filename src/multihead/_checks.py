@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from ._numerics import AUTOCAST_ELIGIBLE, autocast_dtype
+from ._numerics import AUTOCAST_ELIGIBLE, autocast_dtype, default_scale
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -105,7 +105,7 @@ def check_heads(H: int, Hkv: int, h_name: str = "Hq", kv_name: str = "Hkv") -> N
 def check_scale(scale, head_dim: int) -> float:
     """``None`` gives 1/sqrt(D); otherwise a positive finite number."""
     if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        return default_scale(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__}")
     scale = float(scale)

@@ -54,6 +54,7 @@ from torch.autograd.function import once_differentiable
 
 from . import masks as _masks
 from ._checks import check_qkv, check_scale
+from ._numerics import default_scale
 from .backends.reference import compute_dtype
 
 __all__ = [
@@ -749,7 +750,7 @@ class ContextParallel(nn.Module):
             positions = shard_positions(rank, world, query.shape[1] * world, layout, device=query.device)
             q, k = mha._rotate(q, k, positions, None)
         o = ring_attention(
-            q, k, v, mask, causal=cfg.causal, scale=cfg.head_dim ** -0.5, group=self.group,
+            q, k, v, mask, causal=cfg.causal, scale=default_scale(cfg.head_dim), group=self.group,
             layout=layout, timeout=self.timeout,
         )
         return mha._merge_output(o, None)

@@ -89,11 +89,17 @@ def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
     """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
+    return attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
+
+
+def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tuple:
+    """The trusted core behind :func:`attention_with_weights` and ``return_weights=True``:
+    the reference backend, which alone returns the weights it applied. Inputs as for :func:`attend`."""
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend="reference")
     with outside_autocast(q.device.type):
-        return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
+        return _reference.attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
 def attention_weights(

@@ -37,11 +37,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import backends as _backends
+from . import functional as _functional
 from . import masks as _masks
 from . import trace as _trace
 from ._checks import check_module_inputs
-from .backends import reference as _reference
+from ._numerics import default_scale
+from .integrations.torch_mha import load_torch_state_dict
 from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
@@ -115,6 +116,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.vdim, cfg.kv_dim, bias=cfg.bias, **factory)
         self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
         self._causal_mask = _masks.causal() if cfg.causal else None
+        # an nn.MultiheadAttention state_dict (in_proj_weight, ...) loads too
+        self.register_load_state_dict_pre_hook(load_torch_state_dict)
 
     # ------------------------------------------------------------------ settings
     @property
@@ -322,15 +325,10 @@ class MultiHeadAttention(nn.Module):
         """(out (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None) for a checked mask ``m``."""
         cfg = self.config
         dropout_p = cfg.dropout if self.training else 0.0
-        scale = cfg.head_dim ** -0.5
+        scale = default_scale(cfg.head_dim)
         if return_weights:
-            if tr is not None:
-                tr.set_config(backend="reference")
-            return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
-        chosen = _backends.resolve(cfg.backend, _backends.Call(q, k, v, m, dropout_p))
-        if tr is not None:
-            tr.set_config(backend=chosen.name)
-        return chosen.fn(q, k, v, m, scale=scale, dropout_p=dropout_p), None
+            return _functional.attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
+        return _functional.attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=cfg.backend), None
 
     def _merge_output(self, o, tr) -> torch.Tensor:
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
