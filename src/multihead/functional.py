@@ -136,11 +136,16 @@ def attention_weights(
 
 
 def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False) -> _backends.Dispatch:
-    """Which backend ``backend="auto"`` would run for this call, and why each other was refused.
+    """Which backend ``backend="auto"`` would run for this call, how, and why each other was refused.
 
     ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).
-    The thresholds are module settings: ``multihead.backends.sdpa.DENSE_MASK_BUDGET_BYTES`` and
-    ``multihead.backends.chunked.AUTO_MIN_SCORES``.
+    ``Dispatch.how`` says how the chosen backend runs the call where it can tell: for ``sdpa``,
+    the kernel torch will run (its math kernel, with its reason and dense scores, or a fused one)
+    and the mask tensor it gets (a bias stays float32 beside float16/bfloat16 inputs).
+    The thresholds are module settings: ``multihead.backends.sdpa.DENSE_MASK_BUDGET_BYTES`` (the
+    dense mask and, when torch would run its math kernel, its scores) and
+    ``multihead.backends.chunked.AUTO_MIN_SCORES``. The call is planned, not run: nothing of
+    size (Lq, Lk) is built.
     """
     m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
     return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights)))
