@@ -153,8 +153,12 @@ def _config(info: ModelInfo) -> dict:
 
 @functools.lru_cache(maxsize=2)
 def _load(model: str):
-    """(tokenizer, model) loaded offline, the model's attention running on multihead."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """(tokenizer, model) loaded offline, the model's attention running on multihead.
+
+    Offline by construction: a local directory with ``local_files_only=True`` makes no request,
+    so the process environment (``HF_HUB_OFFLINE``, read once when huggingface_hub is imported)
+    is left as the user set it.
+    """
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
