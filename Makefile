@@ -47,10 +47,11 @@ browser:
 typecheck: $(VENV)/.test
 	$(PY) -m mypy
 
-# The guides and the API reference (mkdocs.yml) into build/site, every warning an error.
-# NO_MKDOCS_2_WARNING: mkdocs-material's banner about MkDocs 2.0, printed on every build.
+# The guides and the API reference (mkdocs.yml) into build/site, every warning an error (not
+# --quiet: it drops the warnings before --strict counts them). NO_MKDOCS_2_WARNING silences
+# mkdocs-material's banner about MkDocs 2.0, printed on every build.
 docs: $(VENV)/.test
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 test: $(VENV)/.test $(VENV)/.weights browser typecheck docs
 	$(PY) -m pytest -q
