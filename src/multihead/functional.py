@@ -85,7 +85,7 @@ def warn_once_if_dense_weights_are_large(q: torch.Tensor, k: torch.Tensor) -> No
         return
     _warned_dense_weights = True
     warnings.warn(
-        f"returning attention weights (return_weights=True, output_attentions=True) runs the reference "
+        f"returning attention weights (return_weights, output_attentions or need_weights=True) runs the reference "
         f"backend, which builds the full (B, H, Lq, Lk) scores: {need / 2**20:.0f} MiB here, O(Lq·Lk) "
         "time and memory instead of the tiled backends; at this length drop the weights, or take a slice "
         "with multihead.attention_weights(q, k, heads=..., rows=...). Shown once per process.",
