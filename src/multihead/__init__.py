@@ -1,5 +1,14 @@
 """multihead: multi-head attention you can read, trace and trust.
 
+>>> import torch, multihead as mh
+>>> mha = mh.MultiHeadAttention(d_in=16, num_heads=2, causal=True)
+>>> x = torch.randn(1, 4, 16)                       # (B, L, d_in)
+>>> out, weights = mha(x, return_weights=True)
+>>> out.shape, weights.shape                        # weights: (B, H, Lq, Lk)
+(torch.Size([1, 4, 16]), torch.Size([1, 2, 4, 4]))
+>>> weights[0, 0, 0].tolist()                       # causal: the first query sees only itself
+[1.0, 0.0, 0.0, 0.0]
+
 Public surface:
 
 * :func:`attention`, :func:`attention_weights`, :func:`explain_dispatch` -- functional core
@@ -19,7 +28,7 @@ from .per_head import PerHeadAttention
 from .rope import RoPE
 from .trace import Trace, trace
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "attention",

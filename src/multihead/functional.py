@@ -6,6 +6,7 @@ Dv value head dim.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -16,6 +17,7 @@ from ._checks import check_dropout, check_indices, check_qkv, check_scale
 from ._numerics import autocast_inputs, outside_autocast
 from .backends import chunked as _chunked
 from .backends import reference as _reference
+from .backends import sdpa as _sdpa
 from .heads import repeat_kv
 from .masks import as_mask
 
@@ -85,6 +87,26 @@ def attend(q, k, v, mask, *, scale: float, dropout_p: float, backend: str = "aut
         return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
+_warned_dense_weights = False
+
+
+def warn_once_if_dense_weights_are_large(q: torch.Tensor, k: torch.Tensor) -> None:
+    """One warning per process when returning weights materialises more float32 scores than
+    ``auto`` allows itself for a dense mask (``backends.sdpa.DENSE_MASK_BUDGET_BYTES``)."""
+    global _warned_dense_weights
+    need = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+    if _warned_dense_weights or need <= _sdpa.DENSE_MASK_BUDGET_BYTES:
+        return
+    _warned_dense_weights = True
+    warnings.warn(
+        f"returning attention weights (return_weights, output_attentions or need_weights=True) runs the reference "
+        f"backend, which builds the full (B, H, Lq, Lk) scores: {need / 2**20:.0f} MiB here, O(Lq·Lk) "
+        "time and memory instead of the tiled backends; at this length drop the weights, or take a slice "
+        "with multihead.attention_weights(q, k, heads=..., rows=...). Shown once per process.",
+        UserWarning, stacklevel=2,
+    )
+
+
 def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
     """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
     q, k, v = autocast_inputs(q, k, v)
@@ -95,6 +117,7 @@ def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
 def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tuple:
     """The trusted core behind :func:`attention_with_weights` and ``return_weights=True``:
     the reference backend, which alone returns the weights it applied. Inputs as for :func:`attend`."""
+    warn_once_if_dense_weights_are_large(q, k)
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend="reference")

