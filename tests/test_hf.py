@@ -360,21 +360,6 @@ def _tiny_llama(impl):
     return transformers.LlamaModel._from_config(config, attn_implementation=impl).eval()
 
 
-def test_from_hf_llama_gqa_equals_llama_attention_at_zero_rope_angle():
-    model = _tiny_llama("eager")
-    attn = model.layers[0].self_attn
-    mha = MultiHeadAttention.from_hf(attn)
-    assert (mha.num_heads, mha.num_kv_heads, mha.head_dim, mha.config.causal) == (4, 2, 16, True)
-    assert mha.q_proj.bias is None
-    x = torch.randn(2, 9, 64)
-    identity_rope = (torch.ones(2, 9, 16), torch.zeros(2, 9, 16))  # cos = 1, sin = 0
-    causal = torch.zeros(1, 1, 9, 9).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        want, _ = attn(x, position_embeddings=identity_rope, attention_mask=causal)
-        got = mha(x)
-    assert (got - want).abs().max().item() <= ATOL
-
-
 def test_llama_model_on_multihead_matches_eager_with_and_without_padding():
     eager = _tiny_llama("eager")
     mh_tf.register()
