@@ -147,6 +147,14 @@ class RoPEScaling:
         return torch.where(wavelength < context / self.high_freq_factor, inv_freq, out)
 
 
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, device, dtype) -> tuple:
+    """cos and sin (L, D) of the angles position * theta_i, computed in float64 (each theta
+    repeated for both halves), then cast to ``dtype`` on ``device``."""
+    angles = torch.outer(positions, inv_freq)  # (L, D/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
 class RoPE:
     """Rotary position embedding for head dim ``head_dim`` (even) with frequency ``base``.
 
@@ -187,12 +195,14 @@ class RoPE:
         """cos and sin tables (length, D) for positions ``offset ... offset + length - 1``."""
         end = offset + length
         key = (torch.device(device) if device is not None else torch.device("cpu"), dtype)
+        if torch.compiler.is_compiling():
+            # no table cache in a compiled graph: a dict that the first call fills would make
+            # dynamo's guards fail on the second call (a recompile); the same float64 angles
+            return _cos_sin(torch.arange(offset, end, dtype=torch.float64), self.inv_freq, key[0], dtype)
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < end:
             size = max(end, 2 * cached[0].shape[0] if cached is not None else 256)
-            angles = torch.outer(torch.arange(size, dtype=torch.float64), self.inv_freq)  # (size, D/2)
-            angles = torch.cat((angles, angles), dim=-1)  # (size, D): theta repeated for both halves
-            cached = (angles.cos().to(device=key[0], dtype=dtype), angles.sin().to(device=key[0], dtype=dtype))
+            cached = _cos_sin(torch.arange(size, dtype=torch.float64), self.inv_freq, key[0], dtype)
             self._tables[key] = cached
         return cached[0][offset:end], cached[1][offset:end]
 
