@@ -16,11 +16,12 @@ Public surface:
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
 * :class:`multihead.nn.MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``
 * :func:`trace` -- record the steps of a real forward pass
-* :class:`KVCache`, :class:`RoPE` -- step-by-step decoding and rotary position embeddings
+* :class:`KVCache`, :class:`StaticKVCache`, :class:`KVCaches`, :class:`RoPE` -- step-by-step
+  decoding (eager and compiled, one cache per layer) and rotary position embeddings
 """
 
 from . import backends, masks, nn
-from .cache import KVCache
+from .cache import KVCache, KVCaches, StaticKVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch
 from .module import MultiHeadAttention
@@ -43,5 +44,7 @@ __all__ = [
     "trace",
     "Trace",
     "KVCache",
+    "StaticKVCache",
+    "KVCaches",
     "RoPE",
 ]

@@ -46,12 +46,24 @@ from .integrations.torch_mha import load_torch_state_dict
 from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
-from .rope import RoPE
+from .rope import RoPE, rotate_half
 
 __all__ = ["MultiHeadAttention"]
 
 _FUSED_QKV = "one product with the concatenated weights [W_q; W_k; W_v]"
 _FUSED_KV = "K and V: one product with [W_k; W_v]"
+
+
+def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int) -> torch.Tensor:
+    """x (B, H, L, D) rotated for an (L,) or (B, L) tensor of positions below ``bound``: rows of
+    the cos/sin tables picked by indexing, so no position is read on the host (a compiled step
+    keeps one graph, and each row of a padded batch gets its own positions). The rotation is the
+    line of :meth:`RoPE.__call__`; only the table lookup differs (RoPE reads max(positions))."""
+    cos, sin = rope.cos_sin(bound, device=x.device, dtype=x.dtype)
+    cos, sin = cos[positions], sin[positions]  # (L, D) or (B, L, D)
+    if positions.dim() == 2:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
+    return x * cos + rotate_half(x) * sin
 
 
 class MultiHeadAttention(nn.Module):
@@ -181,7 +193,10 @@ class MultiHeadAttention(nn.Module):
 
     def _check_cache(self, cache, query, key, value) -> None:
         if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a multihead.KVCache, got {type(cache).__name__}")
+            raise TypeError(
+                f"cache must be a multihead.KVCache or multihead.StaticKVCache, got {type(cache).__name__}; "
+                "for a model of several layers pass caches[i] of a multihead.KVCaches"
+            )
         if key is not query or value is not query:
             raise ValueError(
                 "cache= is for self-attention decoding (mha(x_new, cache=cache)); in cross-attention the "
@@ -192,15 +207,17 @@ class MultiHeadAttention(nn.Module):
                 "cache= appends tokens that must not see later ones, which needs a causal module; "
                 "build it with causal=True"
             )
+        cache._check_step(query.shape[0], query.shape[1], query.device)
 
-    def _mask(self, mask, batch: int, lq: int, lk: int, device):
-        """The call's mask combined with the module's causal mask, checked against (B, H, Lq, Lk)."""
+    def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True):
+        """The call's mask checked against (B, H, Lq, Lk), combined with the module's causal mask
+        (unless ``causal=False``: with a cache, the cache's own mask says what each token sees)."""
         m = _masks.as_mask(mask)
-        # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
-        if self._causal_mask is not None and (m is not None or lq > 1):
-            m = self._causal_mask if m is None else self._causal_mask & m
         if m is not None:
             m.check((batch, self.config.num_heads, lq, lk), device)
+        # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
+        if causal and self._causal_mask is not None and (m is not None or lq > 1):
+            m = self._causal_mask if m is None else self._causal_mask & m
         return m
 
     def forward(
@@ -224,31 +241,34 @@ class MultiHeadAttention(nn.Module):
                 the module's causal mask when ``causal=True``.
             return_weights: also return the per-head weights (B, H, Lq, Lk) actually applied
                 (after dropout in training); this runs the reference backend.
-            cache: a :class:`multihead.KVCache` (causal self-attention only). The Lq new tokens
-                are projected, rotated for positions ``len(cache) ...`` (rope), appended to the
-                cache, and attend to every cached token with the bottom-right causal mask, so
-                Lk = len(cache) after the append. The output equals the last Lq rows of a full
-                causal forward over the whole sequence.
+            cache: a :class:`multihead.KVCache` or :class:`multihead.StaticKVCache` (causal
+                self-attention only). The Lq new tokens are projected, rotated for their
+                positions (``len(cache) ...``, or each row's own with a padded cache), written
+                to the cache, and attend to every cached token they may see (earlier ones, real
+                ones), so no mask is needed at any step. A ``mask`` given too must fit
+                Lk = len(cache) after the write (KVCache) or Lk = max_len (StaticKVCache). The
+                output equals the last Lq rows of a full causal forward over the whole sequence.
 
         Returns:
             (B, Lq, d_out), or ``(out, weights)``.
         """
         key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
-        offset = 0
+        batch, lq = query.shape[0], query.shape[1]
+        positions, lk, bound = 0, key.shape[1], None
         if cache is not None:
             self._check_cache(cache, query, key, value)
-            offset = cache.length
-        m = self._mask(mask, query.shape[0], query.shape[1], offset + key.shape[1], query.device)
+            positions, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
+        m = self._mask(mask, batch, lq, lk, query.device, causal=cache is None)
         tr = _trace.current()
         if tr is not None:
             tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
             tr.record("input", query, None, ("b", "t", "d_in"))
         q, k, v = self._project(query, key, value, tr)
         if self.rope is not None:
-            q, k = self._rotate(q, k, offset, tr)
+            q, k = self._rotate(q, k, positions, tr, bound=bound)
         if cache is not None:
-            k, v = self._write_cache(cache, k, v, tr)
+            k, v, m = self._write_cache(cache, k, v, m, tr)
         o, weights = self._attend(q, k, v, m, return_weights, tr)
         out = self._merge_output(o, tr)
         return (out, weights) if return_weights else out
@@ -298,29 +318,40 @@ class MultiHeadAttention(nn.Module):
             tr.record(f"project {name}", t, None, ("b", "t", "d_out" if name == "Q" else "d_kv"),
                       checks=checks, note=note if i in fused else "")
 
-    def _rotate(self, q, k, positions, tr) -> tuple:
-        """q, k rotated (RoPE) for ``positions``: an int offset (tokens at offset, offset + 1, ...)
-        or a (L,) tensor of global positions (a context-parallel shard)."""
-        if isinstance(positions, torch.Tensor):
+    def _rotate(self, q, k, positions, tr, *, bound: Optional[int] = None) -> tuple:
+        """q, k rotated (RoPE) for ``positions``: an int offset (tokens at offset, offset + 1, ...),
+        an (L,) tensor of global positions (a context-parallel shard), or, with ``bound``, an
+        (L,) or (B, L) tensor of positions below ``bound`` from a cache (per-row positions of a
+        padded batch, a static cache's columns), applied without reading them on the host."""
+        if bound is not None and isinstance(positions, torch.Tensor):
+            q, k = _rotate_at(self.rope, q, positions, bound), _rotate_at(self.rope, k, positions, bound)
+        elif isinstance(positions, torch.Tensor):
             q, k = self.rope(q, positions=positions), self.rope(k, positions=positions)
-            where = f"global positions of this shard ({positions.numel()} tokens)"
         else:
             q, k = self.rope(q, positions), self.rope(k, positions)
-            where = f"positions {positions}..{positions + q.shape[2] - 1}"
-        if tr is not None:
+        if tr is not None:  # the note is built only when recording (an f-string of a traced int breaks a graph)
+            if bound is not None and isinstance(positions, torch.Tensor):
+                where = "positions from the cache" + (" (per row)" if positions.dim() == 2 else "")
+            elif isinstance(positions, torch.Tensor):
+                where = f"global positions of this shard ({positions.numel()} tokens)"
+            else:
+                where = f"positions {positions}..{positions + q.shape[2] - 1}"
             note = f"{where}, base {self.rope.base:g}, rotate-half layout"
             tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
             tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
         return q, k
 
-    def _write_cache(self, cache: KVCache, k, v, tr) -> tuple:
-        """k, v appended to ``cache``; returns every cached key (B, Hkv, Lk, D) and value."""
-        k, v = cache.append(k, v)
+    def _write_cache(self, cache: KVCache, k, v, m, tr) -> tuple:
+        """k, v written to ``cache``; returns the keys (B, Hkv, Lk, D) and values to attend over,
+        and ``m`` combined with the cache's mask (which keys each new token may see)."""
+        k, v, cache_mask = cache._write(k, v)
+        if cache_mask is not None:
+            m = cache_mask if m is None else cache_mask & m
         if tr is not None:
             note = f"{cache.length} of max_len={cache.max_len} tokens cached; {self.config.num_kv_heads} kv heads"
             tr.record("append to the cache", k, None, ("b", "h", "t", "d"), role="K", note=note)
             tr.record("append to the cache", v, None, ("b", "h", "t", "d"), role="V", note=note)
-        return k, v
+        return k, v, m
 
     def _attend(self, q, k, v, m, return_weights: bool, tr) -> tuple:
         """(out (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None) for a checked mask ``m``."""
