@@ -33,7 +33,7 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
-def autocast_inputs(*tensors: torch.Tensor) -> tuple:
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors as autocast would pass them to ``scaled_dot_product_attention``: inside an
     autocast region, float32/16 tensors become the autocast dtype (differentiably); float64
     and non-float tensors are left alone. Outside autocast, the tensors themselves."""
@@ -44,7 +44,7 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple:
     return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE else t for t in tensors)
 
 
-def outside_autocast(device_type: str):
+def outside_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:
     """A context in which autocast is off on ``device_type`` (a no-op context when it already is):
     backends run in it so that they compute as they document, inside autocast regions too."""
     if autocast_dtype(device_type) is None:

@@ -260,7 +260,7 @@ class KVCache:
 
         Raises:
             ValueError: when the cache would exceed ``max_len``, when the batch, head count,
-            head dims, dtype or device differ from the cached entries', or when k/v require grad.
+                head dims, dtype or device differ from the cached entries', or when k/v require grad.
         """
         check_tensor(k, "k")
         check_tensor(v, "v")
