@@ -431,3 +431,35 @@ def test_from_config_names_bad_input():
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
+
+
+# ---------------------------------------------------------------------------- nn conventions
+def test_reset_parameters_after_meta_device_init_is_nn_linears_init():
+    """Built on the meta device, moved with to_empty (uninitialised memory), reset_parameters gives
+    each projection exactly what nn.Linear.reset_parameters draws from the same seed: finite,
+    within ±1/sqrt(fan_in), filling that range; then the module computes the hand-written layer."""
+    mha = mh.MultiHeadAttention(32, 4, 16, num_kv_heads=2, kdim=24, vdim=40, device="meta", dtype=torch.float64)
+    assert mha.q_proj.weight.is_meta
+    mha = mha.to_empty(device="cpu")
+    torch.manual_seed(3)
+    mha.reset_parameters()
+    torch.manual_seed(3)
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        got = getattr(mha, name)
+        ref = torch.nn.Linear(got.in_features, got.out_features, device="meta", dtype=torch.float64).to_empty(device="cpu")
+        ref.reset_parameters()
+        bound = got.in_features ** -0.5
+        for p, want in ((got.weight, ref.weight), (got.bias, ref.bias)):
+            assert torch.equal(p, want), name
+            assert torch.isfinite(p).all() and p.abs().max() <= bound and p.abs().max() > 0.8 * bound, name
+    q, k, v = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 7, 24, dtype=torch.float64), torch.randn(2, 7, 40, dtype=torch.float64)
+    expect, _ = manual_forward(mha, q, k, v)
+    out = mha(q, k, v)
+    assert out.shape == (2, 5, 16) and (out - expect).abs().max() < 1e-12
+
+
+def test_batch_first_is_true_and_read_only():
+    mha = mh.MultiHeadAttention(8, 2)
+    assert mha.batch_first is True
+    with pytest.raises(AttributeError):
+        mha.batch_first = False

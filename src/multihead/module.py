@@ -84,7 +84,8 @@ class MultiHeadAttention(nn.Module):
     dtype; :meth:`from_config` builds the module from a config and its weights.
 
     Submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` are ``nn.Linear`` (weight is
-    (out, in)), so weights from other implementations load by copying tensors.
+    (out, in)), so weights from other implementations load by copying tensors. Inputs are
+    batch-first (``batch_first`` is always True).
     """
 
     def __init__(
@@ -175,7 +176,18 @@ class MultiHeadAttention(nn.Module):
         mha.load_state_dict(weights)
         return mha
 
+    def reset_parameters(self) -> None:
+        """Re-initialise the four projections as ``nn.Linear`` does (uniform in ±1/sqrt(fan_in)),
+        e.g. after building on the meta device and ``to_empty``."""
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            lin.reset_parameters()
+
     # ------------------------------------------------------------------ settings
+    @property
+    def batch_first(self) -> bool:
+        """Always True: inputs and outputs are (B, L, features), as nn.MultiheadAttention(batch_first=True)."""
+        return True
+
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
