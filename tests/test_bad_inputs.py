@@ -293,9 +293,10 @@ def _module_cases():
               r"key has 5 features but kdim=12")
 
     yield from [
-        Bad("to_per_head(a string)", lambda: to_per_head("mha"), TypeError, r"to_per_head takes a MultiHeadAttention"),
-        Bad("to_per_head(nn.MultiheadAttention)", lambda: to_per_head(torch.nn.MultiheadAttention(16, 4)), TypeError,
-            r"to_per_head takes a MultiHeadAttention, got MultiheadAttention"),
+        Bad("to_per_head(a string, weights)", lambda: to_per_head("mha", {}), TypeError,
+            r"to_per_head takes a multihead\.AttentionConfig and its weights"),
+        Bad("to_per_head(a module, weights)", lambda: to_per_head(mha(), mha().state_dict()), TypeError,
+            r"to_per_head takes a multihead\.AttentionConfig .*got MultiHeadAttention; for a module call mha\.to_per_head\(\)"),
         Bad("from_per_head(a MultiHeadAttention)", lambda: from_per_head(mha()), TypeError,
             r"from_per_head takes a PerHeadAttention"),
         Bad("from_per_head(num_kv_heads=3)", lambda: from_per_head(mha().to_per_head(), num_kv_heads=3), ValueError,
@@ -315,7 +316,8 @@ def _module_cases():
         Bad("from_torch(add_zero_attn=True)",
             lambda: multihead.MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(16, 4, add_zero_attn=True)),
             ValueError, r"add_zero_attn=True"),
-        Bad("to_torch(a string)", lambda: to_torch("mha"), TypeError, r"to_torch takes a multihead\.MultiHeadAttention"),
+        Bad("to_torch(a string, weights)", lambda: to_torch("mha", {}), TypeError,
+            r"to_torch takes a multihead\.AttentionConfig and its weights"),
         Bad("to_torch of a GQA module", lambda: mha(num_kv_heads=2).to_torch(), ValueError, r"num_kv_heads=2"),
         Bad("to_torch of a causal module", lambda: mha(causal=True).to_torch(), ValueError, r"causal=True"),
         Bad("to_torch with d_out != d_in", lambda: mha(d_out=8).to_torch(), ValueError, r"d_out=8 differs from d_in=16"),

@@ -104,9 +104,11 @@ def test_state_dict_loader_equals_from_hf_with_and_without_prefix(eager, batch, 
     keep = batch["attention_mask"].bool()
     io = _attention_io(eager, batch)
     for i, (x, want) in enumerate(io):
-        a = from_bert_state_dict(sd, i, num_heads=12)
-        b = from_bert_state_dict(prefixed, i, num_heads=12)
+        # the loader is a codec: (config, weights), built by from_config
+        a = MultiHeadAttention.from_config(*from_bert_state_dict(sd, i, num_heads=12))
+        b = MultiHeadAttention.from_config(*from_bert_state_dict(prefixed, i, num_heads=12))
         c = MultiHeadAttention.from_hf(eager.encoder.layer[i].attention)
+        assert a.config == b.config and (a.config.num_heads, a.config.d_in) == (c.config.num_heads, c.config.d_in)
         for name, t in c.state_dict().items():
             assert torch.equal(a.state_dict()[name], t) and torch.equal(b.state_dict()[name], t), (i, name)
         with torch.no_grad():
@@ -395,3 +397,51 @@ def test_from_hf_llama_refuses_what_multihead_cannot_express():
     attn.scaling = 0.5
     with pytest.raises(ValueError, match=r"scaling is 0.5, not 1/sqrt\(head_dim\) = 0.25"):
         MultiHeadAttention.from_hf(attn)
+
+
+# ---------------------------------------------------------------------------- the codec: (config, weights)
+def _llama3_attention():
+    """A float64 LlamaAttention (GQA, head_dim 16) whose RoPE has llama3 scaling and base 500."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=1,
+        vocab_size=11, max_position_embeddings=1024, rope_theta=500.0, initializer_range=0.2,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+                      "original_max_position_embeddings": 256},
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaModel._from_config(config, attn_implementation="sdpa").double().eval().layers[0].self_attn
+
+
+def test_from_hf_codec_round_trips_exactly_for_bert_and_llama_with_scaled_rope(eager):
+    """from_hf gives (config, weights) holding the layer's own tensors; the module built from them
+    equals MultiHeadAttention.from_hf's and its rebuild from (mha.config, mha.state_dict()) bit for
+    bit, RoPE scaling included (float64)."""
+    import copy
+
+    from multihead.hf import from_hf
+    from multihead.rope import RoPEScaling
+
+    bert = copy.deepcopy(eager.encoder.layer[0].attention).double()
+    llama = _llama3_attention()
+    layouts = {
+        "bert": (bert, (bert.self.query, bert.self.key, bert.self.value, bert.output.dense)),
+        "llama": (llama, (llama.q_proj, llama.k_proj, llama.v_proj, llama.o_proj)),
+    }
+    for family, (layer, linears) in layouts.items():
+        config, weights = from_hf(layer)
+        for name, lin in zip(("q_proj", "k_proj", "v_proj", "out_proj"), linears):
+            assert torch.equal(weights[f"{name}.weight"], lin.weight), (family, name)
+            if lin.bias is not None:
+                assert torch.equal(weights[f"{name}.bias"], lin.bias), (family, name)
+        mha = MultiHeadAttention.from_config(config, weights).eval()
+        twin = MultiHeadAttention.from_config(mha.config, mha.state_dict()).eval()
+        wrapped = MultiHeadAttention.from_hf(layer)
+        assert twin.config == wrapped.config == config and not wrapped.training
+        x = torch.randn(2, 9, config.d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            want = mha(x)
+            assert torch.equal(twin(x), want) and torch.equal(wrapped(x), want), family
+        if family == "llama":
+            assert config.rope and config.rope_base == 500.0
+            assert config.rope_scaling == RoPEScaling("llama3", 8.0, 1.0, 8.0, 256)
+            assert twin.rope.scaling == config.rope_scaling and torch.equal(twin.rope.inv_freq, mha.rope.inv_freq)

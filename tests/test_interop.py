@@ -109,3 +109,104 @@ def test_from_torch_refuses_unsupported_options():
         mh.MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_zero_attn=True))
     with pytest.raises(TypeError, match="takes an nn.MultiheadAttention"):
         mh.MultiHeadAttention.from_torch(nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------- codecs: (config, weights)
+CODECS = ("interop", "hf", "per_head")
+
+# Run in a fresh interpreter with the package's __init__ skipped (it imports everything): only what
+# the codecs themselves import is loaded. Each codec is called, since a converter may import lazily.
+_CODECS_ALONE = r"""
+import sys, types
+pkg = types.ModuleType("multihead")
+pkg.__path__ = [sys.argv[1]]
+sys.modules["multihead"] = pkg
+import torch, torch.nn as nn
+from multihead import hf, interop, per_head
+
+def check(step):
+    loaded = sorted(k for k in sys.modules if k.startswith("multihead."))
+    assert "multihead.module" not in loaded, f"{step} imported multihead.module; loaded: {loaded}"
+
+pair = interop.from_torch(nn.MultiheadAttention(8, 2))
+check("interop.from_torch")
+config, weights = pair
+interop.to_torch(config, weights)
+check("interop.to_torch")
+config, weights = per_head.from_per_head(per_head.to_per_head(config, weights))
+check("per_head.to_per_head/from_per_head")
+
+class Self(nn.Module):  # the layout of a BertSelfAttention
+    def __init__(self):
+        super().__init__()
+        self.num_attention_heads = 2
+        self.query, self.key, self.value = (nn.Linear(8, 8) for _ in range(3))
+
+hf.from_hf(Self(), output_dense=nn.Linear(8, 8))
+check("hf.from_hf")
+print("codecs ran without multihead.module")
+"""
+
+
+def test_codecs_do_not_import_the_module():
+    """The converters exchange (AttentionConfig, weights): neither importing them nor running them
+    loads multihead.module (the module imports them, for its thin wrappers, never the reverse)."""
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+
+    package = pathlib.Path(mh.__file__).parent
+    for name in CODECS:
+        tree = ast.parse((package / f"{name}.py").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+                assert not (node.level == 1 and target == "module") and target != "multihead.module", (
+                    f"{name}.py line {node.lineno} imports the module"
+                )
+    done = subprocess.run([sys.executable, "-c", _CODECS_ALONE, str(package)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "codecs ran without multihead.module" in done.stdout
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kw", [dict(), dict(kdim=5, vdim=3), dict(bias=False), dict(dropout=0.25)])
+def test_from_torch_and_to_torch_codecs_round_trip_exactly(batch_first, kw):
+    """nn.MultiheadAttention -> (config, weights) -> nn.MultiheadAttention: the same state_dict and
+    the same outputs, bit for bit; the module built from the pair equals the wrapper's and its own
+    rebuild from (mha.config, mha.state_dict())."""
+    from multihead import interop
+
+    m = torch_mha(E=8, H=2, batch_first=batch_first, **kw)
+    config, weights = interop.from_torch(m)
+    assert config == mh.AttentionConfig(d_in=8, num_heads=2, kdim=kw.get("kdim"), vdim=kw.get("vdim"),
+                                        bias=kw.get("bias", True), dropout=kw.get("dropout", 0.0))
+    assert list(weights) == list(config.weight_shapes())
+    mha = mh.MultiHeadAttention.from_config(config, weights).eval()
+    back = interop.to_torch(config, mha.state_dict(), batch_first=batch_first).eval()
+    assert back.batch_first == batch_first and list(back.state_dict()) == list(m.state_dict())
+    for name, t in m.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    q = torch.randn(2, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 6, config.kdim, dtype=torch.float64), torch.randn(2, 6, config.vdim, dtype=torch.float64)
+    assert torch.equal(run_torch(back, q, k, v)[0], run_torch(m, q, k, v)[0])
+    wrapped = mh.MultiHeadAttention.from_torch(m)
+    twin = mh.MultiHeadAttention.from_config(mha.config, mha.state_dict()).eval()
+    assert wrapped.config == twin.config == config and not wrapped.training  # the wrapper keeps m's mode
+    assert torch.equal(wrapped(q, k, v), mha(q, k, v)) and torch.equal(twin(q, k, v), mha(q, k, v))
+    via_wrapper = mha.to_torch(batch_first=batch_first)
+    assert not via_wrapper.training and all(torch.equal(via_wrapper.state_dict()[n], t) for n, t in back.state_dict().items())
+
+
+def test_to_torch_codec_names_weights_that_do_not_fit():
+    from multihead import interop
+
+    config = mh.AttentionConfig(d_in=8, num_heads=2)
+    with pytest.raises(ValueError, match=r"weights lacks q_proj\.weight \(shape \(8, 8\)\)"):
+        interop.to_torch(config, {})
+    weights = mh.MultiHeadAttention(8, 2, kdim=4).state_dict()
+    with pytest.raises(ValueError, match=r"weights\['k_proj\.weight'\] has shape \(8, 4\) but this config needs \(kv_dim, kdim\) = \(8, 8\)"):
+        interop.to_torch(config, weights)
+    with pytest.raises(ValueError, match="num_kv_heads=1"):
+        interop.to_torch(mh.AttentionConfig(d_in=8, num_heads=2, num_kv_heads=1), {})

@@ -304,3 +304,162 @@ def test_compiled_module_repeats_without_graph_breaks_or_recompiles(mode):
         assert counters["stats"]["unique_graphs"] == 1
     finally:
         torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------- from_config, the one build path
+REBUILDS = {
+    "plain": dict(),
+    "gqa causal": dict(num_kv_heads=2, causal=True),
+    "cross, no bias, d_out": dict(kdim=5, vdim=3, d_out=12, bias=False),
+    "dropout, backend": dict(dropout=0.25, backend="reference"),
+    "rope": dict(rope=True, rope_base=300.0, causal=True),
+    "rope linear": dict(rope=True, rope_scaling=mh.rope.RoPEScaling("linear", 4.0)),
+    "rope llama3": dict(rope=True, num_kv_heads=1, rope_scaling=mh.rope.RoPEScaling("llama3", 8.0, 1.0, 4.0, 64)),
+    "RoPE object": dict(rope=mh.RoPE(2, 500.0, scaling=mh.rope.RoPEScaling("linear", 2.0))),
+}
+
+
+@pytest.mark.parametrize("kw", list(REBUILDS.values()), ids=list(REBUILDS))
+def test_from_config_rebuilds_an_identical_module(kw):
+    """The config carries everything a module needs: from_config(mha.config, mha.state_dict())
+    has the same config, repr, weights (copies) and outputs, bit for bit, in float64."""
+    mha = module(8, 4, **kw).eval()
+    twin = mh.MultiHeadAttention.from_config(mha.config, mha.state_dict()).eval()
+    assert twin.config == mha.config and repr(twin) == repr(mha)
+    assert list(twin.state_dict()) == list(mha.state_dict())
+    for name, t in mha.state_dict().items():
+        got = twin.state_dict()[name]
+        assert torch.equal(got, t) and got.dtype == torch.float64 and got.data_ptr() != t.data_ptr(), name
+    if mha.config.rope:
+        assert twin.rope.base == mha.rope.base and twin.rope.scaling == mha.rope.scaling == mha.config.rope_scaling
+        assert torch.equal(twin.rope.inv_freq, mha.rope.inv_freq)
+    c = mha.config
+    q = torch.randn(2, 70, c.d_in, dtype=torch.float64)  # 70 > 64: past llama3's original context
+    k = q if c.rope else torch.randn(2, 6, c.kdim, dtype=torch.float64)
+    v = q if c.rope else torch.randn(2, 6, c.vdim, dtype=torch.float64)
+    assert torch.equal(twin(q, k, v), mha(q, k, v))
+
+
+def test_config_rope_scaling_is_used_and_validated():
+    from multihead.rope import RoPE, RoPEScaling
+
+    linear = RoPEScaling("linear", 4.0)
+    m = mh.MultiHeadAttention(16, 2, rope=True, rope_scaling=linear)
+    assert m.config.rope_scaling == linear and m.rope.scaling == linear
+    assert torch.equal(m.rope.inv_freq, RoPE(8).inv_freq / 4.0)
+    assert "rope_scaling=RoPEScaling('linear', factor=4)" in repr(m)
+    c = m.config
+    assert c.to_dict()["rope_scaling"] == {"kind": "linear", "factor": 4.0, "low_freq_factor": None,
+                                            "high_freq_factor": None, "original_max_position_embeddings": None}
+    assert mh.AttentionConfig(**c.to_dict()) == c  # a dict of fields (e.g. from JSON) reads back
+    with pytest.raises(ValueError, match=r"rope_scaling=RoPEScaling\('linear', factor=4\) rescales rotary embeddings, but rope=False"):
+        mh.AttentionConfig(d_in=16, num_heads=2, rope_scaling=linear)
+    with pytest.raises(TypeError, match=r"rope_scaling must be a multihead\.rope\.RoPEScaling or None, got str"):
+        mh.MultiHeadAttention(16, 2, rope=True, rope_scaling="linear")
+    with pytest.raises(ValueError, match=r"RoPEScaling kind must be one of"):
+        mh.AttentionConfig(d_in=16, num_heads=2, rope=True, rope_scaling={"kind": "yarn", "factor": 2.0})
+    rope = RoPE(8, 300.0, scaling=linear)
+    with pytest.raises(ValueError, match=r"rope_base=500.0; pass the base in one place"):
+        mh.MultiHeadAttention(16, 2, rope=rope, rope_base=500.0)
+    with pytest.raises(ValueError, match=r"rope_scaling=RoPEScaling\('linear', factor=2\); pass the scaling in one place"):
+        mh.MultiHeadAttention(16, 2, rope=rope, rope_scaling=RoPEScaling("linear", 2.0))
+    agreeing = mh.MultiHeadAttention(16, 2, rope=rope, rope_base=300.0, rope_scaling=linear)
+    assert agreeing.rope is rope and agreeing.config.rope_scaling == linear
+
+
+def test_constructor_arguments_are_the_config_fields():
+    """The field list is spelled once: the constructor takes exactly the config's fields, with its
+    defaults, plus device and dtype; from_config passes them back."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(mh.MultiHeadAttention.__init__).parameters
+    fields = dataclasses.fields(mh.AttentionConfig)
+    assert list(params) == ["self", *(f.name for f in fields), "device", "dtype"]
+    for f in fields:
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert params[f.name].default == default, f.name
+
+
+@pytest.mark.parametrize("kw", list(REBUILDS.values())[:4], ids=list(REBUILDS)[:4])
+def test_weight_shapes_are_the_state_dict_layout(kw):
+    mha = module(8, 4, **kw)
+    assert {k: tuple(t.shape) for k, t in mha.state_dict().items()} == mha.config.weight_shapes()
+    assert list(mha.state_dict()) == list(mha.config.weight_shapes())
+
+
+def test_from_config_without_weights_builds_a_fresh_module_on_the_device_and_dtype():
+    config = mh.AttentionConfig(d_in=8, num_heads=2, num_kv_heads=1, causal=True)
+    m = mh.MultiHeadAttention.from_config(config, dtype=torch.float64, device="meta")
+    assert m.config == config and m.q_proj.weight.dtype == torch.float64 and m.q_proj.weight.is_meta
+    fresh = mh.MultiHeadAttention.from_config(config)
+    assert fresh.training and torch.isfinite(fresh.k_proj.weight).all() and fresh.k_proj.weight.shape == (4, 8)
+    # with weights: their dtype by default, or cast to dtype=
+    weights = module(8, 2, num_kv_heads=1, causal=True).state_dict()
+    assert mh.MultiHeadAttention.from_config(config, weights).q_proj.weight.dtype == torch.float64
+    as32 = mh.MultiHeadAttention.from_config(config, weights, dtype=torch.float32)
+    assert torch.equal(as32.v_proj.weight, weights["v_proj.weight"].float())
+
+
+def test_from_config_names_bad_input():
+    mha = module(16, 4)
+    config, sd = mha.config, mha.state_dict()
+    cases = [
+        (lambda: mh.MultiHeadAttention.from_config("c"), TypeError, r"config must be a multihead\.AttentionConfig.*got str"),
+        (lambda: mh.MultiHeadAttention.from_config(config.to_dict()), TypeError, r"got dict; for a dict of its fields pass AttentionConfig\(\*\*d\)"),
+        (lambda: mh.MultiHeadAttention.from_config(config, list(sd.values())), TypeError, r"weights must be a mapping of state_dict names"),
+        (lambda: mh.MultiHeadAttention.from_config(config, {k: t for k, t in sd.items() if k != "k_proj.bias"}), ValueError,
+         r"weights lacks k_proj\.bias \(shape \(16,\)\)"),
+        (lambda: mh.MultiHeadAttention.from_config(config, module(16, 4, bias=False).state_dict()), ValueError,
+         r"lacks q_proj\.bias \(shape \(16,\)\), k_proj\.bias.*this config has bias=True"),
+        (lambda: mh.MultiHeadAttention.from_config(config, sd | {"scale": torch.ones(())}), ValueError,
+         r"weights has unexpected keys scale; this config's weights are: q_proj\.weight \(16, 16\)"),
+        (lambda: mh.MultiHeadAttention.from_config(config, torch.nn.MultiheadAttention(16, 4).state_dict()), ValueError,
+         r"weights lacks q_proj\.weight \(shape \(16, 16\)\), .* and has unexpected keys in_proj_weight, in_proj_bias; "
+         r"it is an nn\.MultiheadAttention state_dict: convert it with multihead\.integrations\.torch_mha\.torch_to_multihead"),
+        (lambda: mh.MultiHeadAttention.from_config(mh.AttentionConfig(d_in=16, num_heads=4, bias=False), sd), ValueError,
+         r"unexpected keys q_proj\.bias.*this config has bias=False"),
+        (lambda: mh.MultiHeadAttention.from_config(mh.AttentionConfig(d_in=16, num_heads=4, num_kv_heads=2), sd), ValueError,
+         r"weights\['k_proj\.weight'\] has shape \(16, 16\) but this config needs \(kv_dim, kdim\) = \(8, 16\)"),
+        (lambda: mh.MultiHeadAttention.from_config(config, sd | {"out_proj.bias": torch.zeros(8)}), ValueError,
+         r"weights\['out_proj\.bias'\] has shape \(8,\) but this config needs \(d_out,\) = \(16,\)"),
+        (lambda: mh.MultiHeadAttention.from_config(config, sd | {"q_proj.weight": [[0.0] * 16] * 16}), TypeError,
+         r"weights\['q_proj\.weight'\] must be a torch\.Tensor of shape \(16, 16\), got list"),
+        (lambda: mh.MultiHeadAttention.from_config(config, sd | {"v_proj.weight": torch.zeros(16, 16, dtype=torch.long)}),
+         TypeError, r"weights\['v_proj\.weight'\] must have a floating dtype, got torch\.int64"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+# ---------------------------------------------------------------------------- nn conventions
+def test_reset_parameters_after_meta_device_init_is_nn_linears_init():
+    """Built on the meta device, moved with to_empty (uninitialised memory), reset_parameters gives
+    each projection exactly what nn.Linear.reset_parameters draws from the same seed: finite,
+    within ±1/sqrt(fan_in), filling that range; then the module computes the hand-written layer."""
+    mha = mh.MultiHeadAttention(32, 4, 16, num_kv_heads=2, kdim=24, vdim=40, device="meta", dtype=torch.float64)
+    assert mha.q_proj.weight.is_meta
+    mha = mha.to_empty(device="cpu")
+    torch.manual_seed(3)
+    mha.reset_parameters()
+    torch.manual_seed(3)
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        got = getattr(mha, name)
+        ref = torch.nn.Linear(got.in_features, got.out_features, device="meta", dtype=torch.float64).to_empty(device="cpu")
+        ref.reset_parameters()
+        bound = got.in_features ** -0.5
+        for p, want in ((got.weight, ref.weight), (got.bias, ref.bias)):
+            assert torch.equal(p, want), name
+            assert torch.isfinite(p).all() and p.abs().max() <= bound and p.abs().max() > 0.8 * bound, name
+    q, k, v = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 7, 24, dtype=torch.float64), torch.randn(2, 7, 40, dtype=torch.float64)
+    expect, _ = manual_forward(mha, q, k, v)
+    out = mha(q, k, v)
+    assert out.shape == (2, 5, 16) and (out - expect).abs().max() < 1e-12
+
+
+def test_batch_first_is_true_and_read_only():
+    mha = mh.MultiHeadAttention(8, 2)
+    assert mha.batch_first is True
+    with pytest.raises(AttributeError):
+        mha.batch_first = False

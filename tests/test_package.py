@@ -52,7 +52,7 @@ def test_hf_extra_holds_no_weights_package():
     them with --no-deps instead of the extra pulling them."""
     hf = PYPROJECT["project"]["optional-dependencies"]["hf"]
     names = {re.split(r"[<>=\[ ]", r)[0] for r in hf}
-    assert names == {"transformers", "safetensors", "tokenizers"}
+    assert names == {"transformers", "safetensors", "tokenizers", "gguf"}  # gguf reads SmolLM2's GGUF file
 
 
 def test_import_prints_no_warning():

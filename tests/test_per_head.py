@@ -72,3 +72,46 @@ def test_regrouping_refuses_heads_that_differ():
         mh.MultiHeadAttention.from_per_head(per, num_kv_heads=3)
     with pytest.raises(TypeError, match="takes a PerHeadAttention"):
         mh.MultiHeadAttention.from_per_head(mha)
+
+
+# ---------------------------------------------------------------------------- codecs: (config, weights)
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(num_kv_heads=2, causal=True), dict(num_kv_heads=1, bias=False), dict(kdim=5, vdim=3, d_out=12),
+           dict(dropout=0.25)]
+)
+def test_per_head_codecs_round_trip_exactly(kw):
+    """(config, weights) -> PerHeadAttention -> (config, weights): the same config and weights,
+    bit for bit, and the rebuilt module gives the same outputs as the original, bit for bit."""
+    from multihead.per_head import from_per_head, to_per_head
+
+    mha, _ = pair(torch.float64, **kw)
+    mha.eval()
+    per = to_per_head(mha.config, mha.state_dict()).eval()
+    config, weights = from_per_head(per, num_kv_heads=mha.config.num_kv_heads)
+    assert config == mha.config and list(weights) == list(mha.state_dict())
+    for name, t in mha.state_dict().items():
+        assert torch.equal(weights[name], t), name
+    back = mh.MultiHeadAttention.from_config(config, weights).eval()
+    q = torch.randn(2, 5, 8, dtype=torch.float64)
+    k = torch.randn(2, 6, mha.config.kdim, dtype=torch.float64)
+    v = torch.randn(2, 6, mha.config.vdim, dtype=torch.float64)
+    assert torch.equal(back(q, k, v), mha(q, k, v))
+    assert torch.equal(per(q, k, v), mha.to_per_head()(q, k, v))  # the wrapper is the codec
+    assert (per(q, k, v) - mha(q, k, v)).abs().max() < 1e-12
+
+
+def test_per_head_wrappers_keep_the_training_mode():
+    mha, _ = pair(torch.float32, dropout=0.1)
+    assert mha.to_per_head().training and not mha.eval().to_per_head().training
+    assert not mh.MultiHeadAttention.from_per_head(mha.to_per_head()).training
+
+
+def test_to_per_head_codec_names_weights_that_do_not_fit():
+    from multihead.per_head import to_per_head
+
+    config = mh.AttentionConfig(d_in=8, num_heads=4, num_kv_heads=2)
+    full = mh.MultiHeadAttention(8, 4).state_dict()  # K/V for 4 heads, not 2
+    with pytest.raises(ValueError, match=r"weights\['k_proj\.weight'\] has shape \(8, 8\) but this config needs \(kv_dim, kdim\) = \(4, 8\)"):
+        to_per_head(config, full)
+    with pytest.raises(ValueError, match=r"rope=False"):
+        to_per_head(mh.AttentionConfig(d_in=8, num_heads=2, rope=True), full)

@@ -1,4 +1,12 @@
-"""Loading Hugging Face attention weights into :class:`multihead.MultiHeadAttention`.
+"""Hugging Face attention layers as ``(AttentionConfig, weights)``: the codec behind
+``MultiHeadAttention.from_hf``::
+
+    config, weights = from_hf(layer.self_attn)
+    mha = MultiHeadAttention.from_config(config, weights)   # what MultiHeadAttention.from_hf(layer.self_attn) does
+
+``weights`` is a plain dict under :class:`multihead.MultiHeadAttention`'s state_dict names (the
+tensors are detached views of the layer's, until ``from_config`` copies them). This module
+imports the config, not the module.
 
 Two families are understood, by the names of their submodules (no import of ``transformers``
 is needed here, so any module laid out the same way loads, e.g. RoBERTa, Mistral, Qwen2):
@@ -29,7 +37,8 @@ What comes along:
   model's own generation. Transformers computes its cos/sin in float32 whatever the model's
   dtype; multihead in float64, so the two agree to float32 precision.
 
-Weights are ``nn.Linear`` weights (out, in) in both libraries, so they are copied as they are.
+Weights are ``nn.Linear`` weights (out, in) in both libraries, so they are taken as they are; a
+layer with biases on only some projections gets zero biases on the others.
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_positive_int
-from .rope import ROPE_TYPES, RoPE, RoPEScaling
+from .config import AttentionConfig
+from .rope import ROPE_TYPES, RoPEScaling
 
 __all__ = ["from_hf", "from_bert_state_dict", "bert_layer_keys"]
 
@@ -60,31 +70,10 @@ def _has_linears(module, names) -> bool:
     return all(_is_linear(getattr(module, n, None)) for n in names)
 
 
-def _copy(lin: nn.Linear, weight: torch.Tensor, bias: Optional[torch.Tensor], name: str) -> None:
-    """Copy ``weight`` (out, in) and ``bias`` (out,) into ``lin``; a missing bias becomes 0."""
-    if tuple(weight.shape) != tuple(lin.weight.shape):
-        raise ValueError(
-            f"{name}.weight has shape {tuple(weight.shape)} but the module expects {tuple(lin.weight.shape)}; "
-            "check num_heads and the layer's sizes"
-        )
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if lin.bias is not None:
-            if bias is None:
-                lin.bias.zero_()
-            else:
-                if tuple(bias.shape) != tuple(lin.bias.shape):
-                    raise ValueError(
-                        f"{name}.bias has shape {tuple(bias.shape)} but the module expects {tuple(lin.bias.shape)}"
-                    )
-                lin.bias.copy_(bias)
-
-
-def _build(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dropout: float, training: bool,
-           rope: Optional[RoPE] = None):
-    """A MultiHeadAttention holding copies of ``linears`` = {"q_proj": (weight, bias), ...}."""
-    from .module import MultiHeadAttention
-
+def _codec(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dropout: float,
+           rope: Optional[dict] = None) -> tuple:
+    """``(config, weights)`` of ``linears`` = {"q_proj": (weight, bias or None), ...}; ``rope``:
+    the config's rope settings (rope, rope_base, rope_scaling), or None for none."""
     wq = linears["q_proj"][0]
     d_out, d_in = wq.shape
     wo = linears["out_proj"][0]
@@ -99,22 +88,22 @@ def _build(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dr
             "hidden size = heads x head dim"
         )
     has_bias = any(b is not None for _, b in linears.values())
-    mha = MultiHeadAttention(
-        d_in, num_heads, d_out, num_kv_heads=num_kv_heads, bias=has_bias, dropout=dropout, causal=causal,
-        rope=rope if rope is not None else False, device=wq.device, dtype=wq.dtype,
-    )
+    config = AttentionConfig(d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, bias=has_bias,
+                             dropout=dropout, causal=causal, **(rope or {}))
+    weights = {}
     for name, (w, b) in linears.items():
-        _copy(getattr(mha, name), w, b, name)
-    mha.train(training)
-    return mha
+        weights[f"{name}.weight"] = w
+        if has_bias:
+            weights[f"{name}.bias"] = w.new_zeros(w.shape[0]) if b is None else b
+    return config, config.check_weights(weights, "the layer's weights")
 
 
 def _linear_pair(lin: nn.Linear):
     return lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
 
 
-def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None):
-    """A :class:`multihead.MultiHeadAttention` with the weights of a Hugging Face attention module.
+def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None) -> tuple:
+    """``(config, weights)`` of a Hugging Face attention module, for ``MultiHeadAttention.from_config``.
 
     Args:
         module: ``BertAttention`` (or anything with ``.self.{query,key,value}`` and
@@ -124,11 +113,12 @@ def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None):
             (``layer.attention.output.dense``).
 
     Returns:
-        A module computing ``out_proj(attention(x))``: (B, L, hidden) -> (B, L, hidden). For BERT
-        that is the input of ``BertSelfOutput``'s residual + LayerNorm; for Llama it is
-        ``LlamaAttention`` with its rotary embedding (``rope=True``, the config's ``rope_theta``
-        and ``rope_scaling``; see the module docstring). Causality, dropout and training mode are
-        taken from ``module``.
+        ``(AttentionConfig, weights)`` of a module computing ``out_proj(attention(x))``:
+        (B, L, hidden) -> (B, L, hidden). For BERT that is the input of ``BertSelfOutput``'s
+        residual + LayerNorm; for Llama it is ``LlamaAttention`` with its rotary embedding
+        (``rope=True``, the config's ``rope_theta`` and ``rope_scaling``; see the module
+        docstring). Causality and dropout are taken from ``module`` (and its training mode by
+        ``MultiHeadAttention.from_hf``).
 
     Raises:
         TypeError: ``module`` is not one of the supported layouts.
@@ -139,7 +129,8 @@ def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None):
 
     Example::
 
-        mha = MultiHeadAttention.from_hf(model.model.layers[0].self_attn)   # rope=True, GQA kept
+        config, weights = from_hf(model.model.layers[0].self_attn)   # config.rope is True, GQA kept
+        mha = MultiHeadAttention.from_config(config, weights)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_hf takes a torch.nn.Module, got {type(module).__name__}; pass {_SUPPORTED}")
@@ -150,14 +141,14 @@ def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None):
             raise TypeError(f"{type(module).__name__}.output.dense is not an nn.Linear; pass {_SUPPORTED}")
         if output_dense is not None:
             raise ValueError("output_dense is only for a bare BertSelfAttention; a BertAttention has its own")
-        return _from_bert(self_attn, dense, training=module.training)
+        return _from_bert(self_attn, dense)
     if _has_linears(module, ("query", "key", "value")):
         if not _is_linear(output_dense):
             raise ValueError(
                 f"{type(module).__name__} has no output projection: pass output_dense=layer.attention.output.dense, "
                 "or pass the BertAttention (layer.attention) itself"
             )
-        return _from_bert(module, output_dense, training=module.training)
+        return _from_bert(module, output_dense)
     if _has_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj")):
         if output_dense is not None:
             raise ValueError("output_dense is only for a bare BertSelfAttention; this module has o_proj")
@@ -174,7 +165,7 @@ def _check_scaling(module, head_dim: int) -> None:
         )
 
 
-def _from_bert(self_attn: nn.Module, dense: nn.Linear, *, training: bool):
+def _from_bert(self_attn: nn.Module, dense: nn.Linear) -> tuple:
     num_heads = getattr(self_attn, "num_attention_heads", None)
     if not isinstance(num_heads, int):
         raise TypeError(f"{type(self_attn).__name__} has no integer num_attention_heads; pass {_SUPPORTED}")
@@ -188,11 +179,10 @@ def _from_bert(self_attn: nn.Module, dense: nn.Linear, *, training: bool):
         "out_proj": _linear_pair(dense),
     }
     causal = bool(getattr(self_attn, "is_causal", False))
-    return _build(linears, num_heads=num_heads, num_kv_heads=num_heads, causal=causal, dropout=dropout,
-                  training=training)
+    return _codec(linears, num_heads=num_heads, num_kv_heads=num_heads, causal=causal, dropout=dropout)
 
 
-def _from_llama(module: nn.Module):
+def _from_llama(module: nn.Module) -> tuple:
     head_dim = getattr(module, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim < 1:
         raise TypeError(f"{type(module).__name__} has no integer head_dim; pass {_SUPPORTED}")
@@ -210,7 +200,7 @@ def _from_llama(module: nn.Module):
             "MultiHeadAttention does not; run the model with attn_implementation=\"multihead\" "
             "(multihead.integrations.transformers) instead"
         )
-    rope = _rope_from_config(module, head_dim)
+    rope = _rope_settings(module)
     linears = {
         "q_proj": _linear_pair(module.q_proj),
         "k_proj": _linear_pair(module.k_proj),
@@ -218,9 +208,8 @@ def _from_llama(module: nn.Module):
         "out_proj": _linear_pair(module.o_proj),
     }
     dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
-    return _build(linears, num_heads=q_out // head_dim, num_kv_heads=kv_out // head_dim,
-                  causal=bool(getattr(module, "is_causal", True)), dropout=dropout, training=module.training,
-                  rope=rope)
+    return _codec(linears, num_heads=q_out // head_dim, num_kv_heads=kv_out // head_dim,
+                  causal=bool(getattr(module, "is_causal", True)), dropout=dropout, rope=rope)
 
 
 def _rope_parameters(module: nn.Module) -> dict:
@@ -251,8 +240,9 @@ def _rope_parameters(module: nn.Module) -> dict:
     return params
 
 
-def _rope_from_config(module: nn.Module, head_dim: int) -> RoPE:
-    """The :class:`RoPE` of a Llama-family attention: its config's base and scaling rule."""
+def _rope_settings(module: nn.Module) -> dict:
+    """The rotary embedding of a Llama-family attention as AttentionConfig fields: rope=True, its
+    config's base (rope_base) and scaling rule (rope_scaling)."""
     name = type(module).__name__
     params = _rope_parameters(module)
     rope_type = params["rope_type"]
@@ -280,7 +270,7 @@ def _rope_from_config(module: nn.Module, head_dim: int) -> RoPE:
     elif rope_type == "llama3":
         scaling = RoPEScaling("llama3", need("factor"), need("low_freq_factor"), need("high_freq_factor"),
                               need("original_max_position_embeddings"))
-    return RoPE(head_dim, params["rope_theta"], scaling=scaling)
+    return {"rope": True, "rope_base": params["rope_theta"], "rope_scaling": scaling}
 
 
 # ---------------------------------------------------------------------------- state dicts
@@ -307,7 +297,8 @@ def from_bert_state_dict(
     prefix: Optional[str] = None,
     dropout: float = 0.0,
 ):
-    """The attention of BERT layer ``layer`` from a state dict (e.g. ``safetensors.torch.load_file``).
+    """``(config, weights)`` of BERT layer ``layer``'s attention from a state dict (e.g.
+    ``safetensors.torch.load_file``): ``MultiHeadAttention.from_config(*from_bert_state_dict(sd, 3, 12))``.
 
     Args:
         state_dict: names -> tensors, with ``encoder.layer.{i}.attention.self.{query,key,value}``
@@ -318,8 +309,9 @@ def from_bert_state_dict(
         dropout: attention dropout of the returned module (used in training mode only).
 
     Returns:
-        A :class:`MultiHeadAttention` in eval mode, (B, L, hidden) -> (B, L, hidden): the input of
-        the layer's residual + LayerNorm.
+        ``(AttentionConfig, weights)`` of a module (B, L, hidden) -> (B, L, hidden): the input of
+        the layer's residual + LayerNorm. (``from_config`` returns it in training mode: call
+        ``.eval()`` for inference if ``dropout`` > 0.)
 
     Raises:
         ValueError: missing names (listed), or sizes that do not fit ``num_heads``.
@@ -346,5 +338,4 @@ def from_bert_state_dict(
     d_out = linears["q_proj"][0].shape[0]
     if d_out % num_heads:
         raise ValueError(f"the query projection has {d_out} outputs, not a multiple of num_heads={num_heads}")
-    return _build(linears, num_heads=num_heads, num_kv_heads=num_heads, causal=False, dropout=dropout,
-                  training=False)
+    return _codec(linears, num_heads=num_heads, num_kv_heads=num_heads, causal=False, dropout=dropout)

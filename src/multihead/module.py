@@ -31,7 +31,9 @@ Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import fields
+from operator import attrgetter
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -46,7 +48,8 @@ from .integrations.torch_mha import load_torch_state_dict
 from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
-from .rope import RoPE, rotate_half
+from .rope import RoPE, RoPEScaling, rotate_half
+from . import hf as _hf, interop as _interop, per_head as _per_head
 
 __all__ = ["MultiHeadAttention"]
 
@@ -83,10 +86,18 @@ class MultiHeadAttention(nn.Module):
             "chunked" (see :func:`multihead.explain_dispatch`).
         rope: True to rotate q and k by their positions (rotary embeddings, Hugging Face Llama's
             rotate-half layout), or a :class:`multihead.rope.RoPE` to use. Self-attention only.
-        rope_base: the RoPE frequency base (ignored when ``rope`` is a RoPE object).
+        rope_base: the RoPE frequency base.
+        rope_scaling: a :class:`multihead.rope.RoPEScaling` rule for the RoPE frequencies
+            (linear or llama3), or None. With ``rope`` a RoPE object, its base and scaling are
+            used, and ``rope_base``/``rope_scaling`` must be left out or agree with them.
+        device, dtype: of the projections' parameters.
+
+    These are the fields of :class:`multihead.AttentionConfig` (``mha.config``), plus device and
+    dtype; :meth:`from_config` builds the module from a config and its weights.
 
     Submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` are ``nn.Linear`` (weight is
-    (out, in)), so weights from other implementations load by copying tensors.
+    (out, in)), so weights from other implementations load by copying tensors. Inputs are
+    batch-first (``batch_first`` is always True).
     """
 
     def __init__(
@@ -104,17 +115,18 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
         rope=False,
         rope_base: float = 10000.0,
+        rope_scaling: Optional[RoPEScaling] = None,
         device=None,
         dtype=None,
     ):
         super().__init__()
         rope_obj = rope if isinstance(rope, RoPE) else None
         if rope_obj is not None:
-            rope, rope_base = True, rope_obj.base
+            rope, rope_base, rope_scaling = True, *_settings_of(rope_obj, rope_base, rope_scaling)
         cfg = AttentionConfig(
             d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, kdim=kdim,
             vdim=vdim, bias=bias, dropout=dropout, causal=causal, backend=backend,
-            rope=rope, rope_base=rope_base,
+            rope=rope, rope_base=rope_base, rope_scaling=rope_scaling,
         )
         if rope_obj is not None and rope_obj.head_dim != cfg.head_dim:
             raise ValueError(
@@ -122,7 +134,9 @@ class MultiHeadAttention(nn.Module):
                 f"pass RoPE({cfg.head_dim}) or rope=True"
             )
         self.config = cfg
-        self.rope = rope_obj if rope_obj is not None else (RoPE(cfg.head_dim, cfg.rope_base) if cfg.rope else None)
+        if rope_obj is None and cfg.rope:
+            rope_obj = RoPE(cfg.head_dim, cfg.rope_base, scaling=cfg.rope_scaling)
+        self.rope = rope_obj
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(cfg.d_in, cfg.d_out, bias=cfg.bias, **factory)
         self.k_proj = nn.Linear(cfg.kdim, cfg.kv_dim, bias=cfg.bias, **factory)
@@ -132,7 +146,60 @@ class MultiHeadAttention(nn.Module):
         # an nn.MultiheadAttention state_dict (in_proj_weight, ...) loads too
         self.register_load_state_dict_pre_hook(load_torch_state_dict)
 
+    @classmethod
+    def from_config(
+        cls, config: AttentionConfig, weights: Optional[Mapping[str, torch.Tensor]] = None, *, device=None, dtype=None
+    ) -> "MultiHeadAttention":
+        """The module of ``config``, holding copies of ``weights``.
+
+            >>> mha = MultiHeadAttention(16, 4, num_kv_heads=2, causal=True)
+            >>> twin = MultiHeadAttention.from_config(mha.config, mha.state_dict())
+
+        Args:
+            config: an :class:`multihead.AttentionConfig` (e.g. ``mha.config``, or what a converter
+                of :mod:`multihead.interop`, :mod:`multihead.hf`, :mod:`multihead.per_head` returns).
+            weights: tensors under the module's state_dict names, exactly
+                ``config.weight_shapes()`` (e.g. ``mha.state_dict()``); None for a freshly
+                initialised module.
+            device, dtype: of the parameters; by default those of ``weights["q_proj.weight"]``
+                (torch's defaults without weights). Weights of another dtype are cast.
+
+        Returns:
+            A module in training mode, as a constructed one is; its config equals ``config``.
+
+        Raises:
+            TypeError: ``config`` is not an AttentionConfig; a weight is not a floating tensor.
+            ValueError: a missing or unexpected weight name, or a wrong shape (named, with the
+                expected shape).
+        """
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(
+                f"config must be a multihead.AttentionConfig (e.g. mha.config), got {type(config).__name__}; "
+                "for a dict of its fields pass AttentionConfig(**d)"
+            )
+        settings = {f.name: getattr(config, f.name) for f in fields(config)}
+        if weights is None:
+            return cls(**settings, device=device, dtype=dtype)
+        weights = config.check_weights(weights)
+        like = weights["q_proj.weight"]
+        # built without initialising (every parameter is overwritten next), then filled
+        mha = cls(**settings, device="meta", dtype=like.dtype if dtype is None else dtype)
+        mha.to_empty(device=like.device if device is None else device)
+        mha.load_state_dict(weights)
+        return mha
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the four projections as ``nn.Linear`` does (uniform in ±1/sqrt(fan_in)),
+        e.g. after building on the meta device and ``to_empty``."""
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            lin.reset_parameters()
+
     # ------------------------------------------------------------------ settings
+    @property
+    def batch_first(self) -> bool:
+        """Always True: inputs and outputs are (B, L, features), as nn.MultiheadAttention(batch_first=True)."""
+        return True
+
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
@@ -146,16 +213,7 @@ class MultiHeadAttention(nn.Module):
         return self.config.head_dim
 
     def extra_repr(self) -> str:
-        c = self.config
-        parts = [f"d_in={c.d_in}", f"num_heads={c.num_heads}", f"d_out={c.d_out}", f"head_dim={c.head_dim}"]
-        if c.num_kv_heads != c.num_heads:
-            parts.append(f"num_kv_heads={c.num_kv_heads}")
-        if c.kdim != c.d_in or c.vdim != c.d_in:
-            parts.append(f"kdim={c.kdim}, vdim={c.vdim}")
-        parts += [f"causal={c.causal}", f"dropout={c.dropout}", f"backend={c.backend!r}"]
-        if c.rope:
-            parts.append(f"rope_base={c.rope_base:g}")
-        return ", ".join(parts)
+        return self.config.summary()
 
     # ------------------------------------------------------------------ the edge
     def _defaults(self, query, key, value) -> tuple:
@@ -370,35 +428,45 @@ class MultiHeadAttention(nn.Module):
         return out
 
     # ------------------------------------------------------------------ conversions
+    # Each is a converter's codec (config, weights) plus from_config; the codecs never import this module.
+    def _weights(self) -> dict:
+        """The projections' weights as they are used now (a parametrization evaluated), under the
+        state_dict names of ``config.weight_shapes()``."""
+        return {name: attrgetter(name)(self).detach() for name in self.config.weight_shapes()}
+
     def to_per_head(self):
         """The same layer as h independent heads (:class:`multihead.PerHeadAttention`)."""
-        from .per_head import to_per_head
-
-        return to_per_head(self)
+        return _per_head.to_per_head(self.config, self._weights()).train(self.training)
 
     @classmethod
     def from_per_head(cls, p, *, num_kv_heads: Optional[int] = None) -> "MultiHeadAttention":
         """Fuse a :class:`PerHeadAttention` back; with ``num_kv_heads`` its K/V copies are regrouped."""
-        from .per_head import from_per_head
-
-        return from_per_head(p, num_kv_heads=num_kv_heads)
+        return cls.from_config(*_per_head.from_per_head(p, num_kv_heads=num_kv_heads)).train(p.training)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
         """Copy an ``nn.MultiheadAttention``; the result is batch-first whatever ``m.batch_first`` is."""
-        from .interop import from_torch
-
-        return from_torch(m)
+        return cls.from_config(*_interop.from_torch(m)).train(m.training)
 
     @classmethod
     def from_hf(cls, module: nn.Module, *, output_dense: Optional[nn.Linear] = None) -> "MultiHeadAttention":
         """Copy a Hugging Face ``BertAttention`` or ``LlamaAttention`` (see :func:`multihead.hf.from_hf`)."""
-        from .hf import from_hf
-
-        return from_hf(module, output_dense=output_dense)
+        return cls.from_config(*_hf.from_hf(module, output_dense=output_dense)).train(module.training)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with the same weights (raises ValueError if it cannot express this module)."""
-        from .interop import to_torch
+        return _interop.to_torch(self.config, self._weights(), batch_first=batch_first).train(self.training)
 
-        return to_torch(self, batch_first=batch_first)
+
+def _settings_of(rope: RoPE, rope_base: float, rope_scaling) -> tuple:
+    """(base, scaling) of a RoPE object passed as ``rope=``; rope_base/rope_scaling given beside it must agree."""
+    if rope_base != 10000.0 and rope_base != rope.base:
+        raise ValueError(
+            f"rope is {rope} but rope_base={rope_base}; pass the base in one place (RoPE(head_dim, base) or rope_base=)"
+        )
+    if rope_scaling is not None and rope_scaling != rope.scaling:
+        raise ValueError(
+            f"rope is {rope} but rope_scaling={rope_scaling}; pass the scaling in one place "
+            "(RoPE(head_dim, base, scaling=) or rope_scaling=)"
+        )
+    return rope.base, rope.scaling

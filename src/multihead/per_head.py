@@ -4,14 +4,18 @@ This is multi-head attention as the paper writes it, ``Concat(head_1, ..., head_
 ``head_i = Attention(x W_q^i, x W_k^i, x W_v^i)``. It exists to show, executably, that it is
 the same function as :class:`multihead.MultiHeadAttention`, which computes all heads with one
 product over the stacked matrices ``W_q = [W_q^1; ...; W_q^h]`` and a reshape. Convert between
-them with ``mha.to_per_head()`` and ``MultiHeadAttention.from_per_head(p)``.
+them with ``mha.to_per_head()`` and ``MultiHeadAttention.from_per_head(p)``, which are the codecs
+:func:`to_per_head` ``(config, weights) -> PerHeadAttention`` and :func:`from_per_head`
+``PerHeadAttention -> (config, weights)`` around ``MultiHeadAttention.from_config``; this module
+imports the config, not the module.
 
 Legend: B batch, Lq/Lk lengths, D head dim.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import replace
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -22,7 +26,7 @@ from .backends.reference import compute_dtype
 from .config import AttentionConfig
 from .functional import attention
 
-__all__ = ["PerHeadAttention", "Head"]
+__all__ = ["PerHeadAttention", "Head", "to_per_head", "from_per_head"]
 
 
 class Head(nn.Module):
@@ -112,48 +116,51 @@ def _split_mask_by_head(m, shape, query) -> list:
     return masks
 
 
-def to_per_head(mha) -> PerHeadAttention:
-    """Split a MultiHeadAttention into independent heads; GQA K/V projections are copied to every head that reads them."""
-    from .module import MultiHeadAttention
+def to_per_head(config: AttentionConfig, weights: Mapping[str, torch.Tensor]) -> PerHeadAttention:
+    """The layer of ``(config, weights)`` (a MultiHeadAttention's: ``mha.config, mha.state_dict()``)
+    as independent heads, on the weights' device and dtype; GQA K/V projections are copied to
+    every head that reads them. Head i holds rows ``i*D ... i*D + D - 1`` of W_q (and of W_k,
+    W_v of its key/value head ``i // g``).
 
-    if not isinstance(mha, MultiHeadAttention):
-        raise TypeError(f"to_per_head takes a MultiHeadAttention, got {type(mha).__name__}")
-    c = mha.config
-    if c.rope:
+    Raises:
+        TypeError: ``config`` is not an AttentionConfig.
+        ValueError: ``config.rope`` (PerHeadAttention has none), or weights that do not fit ``config``.
+    """
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(
+            f"to_per_head takes a multihead.AttentionConfig and its weights (mha.config, mha.state_dict()), "
+            f"got {type(config).__name__}; for a module call mha.to_per_head()"
+        )
+    if config.rope:
         raise ValueError("PerHeadAttention has no rotary position embeddings; to_per_head needs a module with rope=False")
-    w0 = mha.q_proj.weight
-    p = PerHeadAttention(c.d_in, c.num_heads, c.d_out, kdim=c.kdim, vdim=c.vdim, bias=c.bias,
-                         dropout=c.dropout, causal=c.causal, device=w0.device, dtype=w0.dtype)
-    D, g = c.head_dim, c.groups
-    with torch.no_grad():
-        for i, head in enumerate(p.heads):
-            kv = i // g
-            for dst, src, row in ((head.q, mha.q_proj, i), (head.k, mha.k_proj, kv), (head.v, mha.v_proj, kv)):
-                dst.weight.copy_(src.weight[row * D:(row + 1) * D])
-                if c.bias:
-                    dst.bias.copy_(src.bias[row * D:(row + 1) * D])
-        p.out_proj.load_state_dict(mha.out_proj.state_dict())
-    p.train(mha.training)
+    weights = config.check_weights(weights)
+    w0 = weights["q_proj.weight"]
+    p = PerHeadAttention(config.d_in, config.num_heads, config.d_out, kdim=config.kdim, vdim=config.vdim,
+                         bias=config.bias, dropout=config.dropout, causal=config.causal,
+                         device=w0.device, dtype=w0.dtype)
+    D, g = config.head_dim, config.groups
+    heads = {}
+    for i in range(config.num_heads):
+        for part, proj, row in (("q", "q_proj", i), ("k", "k_proj", i // g), ("v", "v_proj", i // g)):
+            for kind in ("weight", "bias") if config.bias else ("weight",):
+                heads[f"heads.{i}.{part}.{kind}"] = weights[f"{proj}.{kind}"][row * D:(row + 1) * D]
+    out = {k: t for k, t in weights.items() if k.startswith("out_proj.")}
+    p.load_state_dict(heads | out)
     return p
 
 
-def from_per_head(p: PerHeadAttention, *, num_kv_heads: Optional[int] = None):
-    """Stack the heads' matrices into one MultiHeadAttention.
+def from_per_head(p: PerHeadAttention, *, num_kv_heads: Optional[int] = None) -> tuple:
+    """``(config, weights)`` of the MultiHeadAttention that stacks the heads' matrices (new tensors).
 
     With ``num_kv_heads`` = Hkv < H, heads ``j*g ... j*g+g-1`` (g = H // Hkv) must hold identical
     K and V projections, which become key/value head j; otherwise ValueError.
     """
-    from .module import MultiHeadAttention
-
     if not isinstance(p, PerHeadAttention):
         raise TypeError(f"from_per_head takes a PerHeadAttention, got {type(p).__name__}")
     c = p.config
     hkv = c.num_heads if num_kv_heads is None else check_positive_int(num_kv_heads, "num_kv_heads")
     check_heads(c.num_heads, hkv, "num_heads", "num_kv_heads")
     g = c.num_heads // hkv
-    w0 = p.out_proj.weight
-    mha = MultiHeadAttention(c.d_in, c.num_heads, c.d_out, num_kv_heads=hkv, kdim=c.kdim, vdim=c.vdim,
-                             bias=c.bias, dropout=c.dropout, causal=c.causal, device=w0.device, dtype=w0.dtype)
     heads = list(p.heads)
     for j in range(hkv):
         group = heads[j * g:(j + 1) * g]
@@ -167,14 +174,11 @@ def from_per_head(p: PerHeadAttention, *, num_kv_heads: Optional[int] = None):
                         f"num_kv_heads={hkv}: heads {j * g}..{j * g + g - 1} should share one {name.upper()} projection, "
                         f"but head {other_i}'s differs from head {j * g}'s; use a larger num_kv_heads (or None)"
                     )
-    with torch.no_grad():
-        mha.q_proj.weight.copy_(torch.cat([h.q.weight for h in heads]))
-        mha.k_proj.weight.copy_(torch.cat([heads[j * g].k.weight for j in range(hkv)]))
-        mha.v_proj.weight.copy_(torch.cat([heads[j * g].v.weight for j in range(hkv)]))
-        if c.bias:
-            mha.q_proj.bias.copy_(torch.cat([h.q.bias for h in heads]))
-            mha.k_proj.bias.copy_(torch.cat([heads[j * g].k.bias for j in range(hkv)]))
-            mha.v_proj.bias.copy_(torch.cat([heads[j * g].v.bias for j in range(hkv)]))
-        mha.out_proj.load_state_dict(p.out_proj.state_dict())
-    mha.train(p.training)
-    return mha
+    config = replace(c, num_kv_heads=hkv, backend="auto")
+    kv_heads = heads[::g]  # the first head of each group
+    weights = {}
+    for proj, part, source in (("q_proj", "q", heads), ("k_proj", "k", kv_heads), ("v_proj", "v", kv_heads)):
+        for kind in ("weight", "bias") if c.bias else ("weight",):
+            weights[f"{proj}.{kind}"] = torch.cat([getattr(getattr(h, part), kind).detach() for h in source])
+    weights |= {f"out_proj.{k}": t.detach().clone() for k, t in p.out_proj.state_dict().items()}
+    return config, config.check_weights(weights)
