@@ -25,6 +25,8 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+import multihead
+from multihead import backends
 from multihead.backends import chunked
 from multihead.backends.chunked import chunked_attention
 from oracle import MaskPart, combine, one_thread
@@ -198,3 +200,37 @@ def test_first_tile_far_above_the_rest(dtype, panel_scores):
     bias[:3] = 300.0
     bias[9:] = 290.0  # within exp's range of the first tile's scores again
     run_case(make_case(dtype, 1, 2, 2, Lq, Lk, 4, 2, [MaskPart("bias", tensor=bias)]), bq, bk, panel_scores)
+
+
+# --------------------------------------------------------------------------- the scale
+def scale_inputs(dtype):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(2, 2, 5, 8, generator=g).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", backends.names())
+def test_scale_beyond_float32_range_is_refused_by_name(backend):
+    """Issue 11, defect 11: scale=1e38 overflowed the float32 scores to inf and gave NaN; every
+    backend refuses a scale above 2**64 at the public edge, naming it and the usable range."""
+    q, k, v = scale_inputs(torch.float32)
+    for bad in (1e38, 2.0 ** 64 * 1.01):
+        with pytest.raises(ValueError, match=r"scale must be at most 2\*\*64"):
+            multihead.attention(q, k, v, scale=bad, backend=backend)
+    with pytest.raises(ValueError, match=r"scale must be at most 2\*\*64"):
+        multihead.attention_weights(q, k, scale=1e38)
+    with pytest.raises(ValueError, match=r"scale must be at most 2\*\*64"):
+        chunked_attention(q, k, v, scale=1e38)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", backends.names())
+def test_largest_scale_gives_the_exact_hard_maximum(backend, dtype):
+    """At scale = 2**64 the scores (about 1e19) are far beyond exp's range but finite: each row's
+    weights are exactly one-hot on its largest q·k, so the output is exactly that key's value."""
+    q, k, v = scale_inputs(dtype)
+    out = multihead.attention(q, k, v, scale=2.0 ** 64, backend=backend)
+    best = (q.double() @ k.double().transpose(-1, -2)).argmax(-1)  # no ties in these draws
+    expect = torch.gather(v, 2, best.unsqueeze(-1).expand(-1, -1, -1, v.shape[-1]))
+    assert torch.equal(out, expect)
+    weights = multihead.attention_weights(q, k, scale=2.0 ** 64)
+    assert torch.equal(weights, torch.nn.functional.one_hot(best, k.shape[2]).to(dtype))
