@@ -16,7 +16,7 @@ from multihead.backends.chunked import chunked_attention
 from oracle import MaskPart, judge, naive_attention, score_size
 from ref64 import attention64, causal_keep, window_keep, random_qkv
 from test_properties import Oracle, assert_agrees, forward_backward, oracle_run
-from test_tiles import make_case
+from test_tiles import make_case, torch_threads
 
 
 def qkv(Lq=13, D=6, **kw):
@@ -505,14 +505,12 @@ def test_chunked_shift_survives_alibi_with_left_padding():
     assert verdict.ok, str(verdict)
 
 
-@contextlib.contextmanager
-def torch_threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+@pytest.fixture(params=[True, False], ids=["threads", "calling thread"])
+def threads_setting(request, monkeypatch):
+    """Both ways the chunked backend runs: query blocks shared among torch.get_num_threads()
+    threads (each single-threaded), or everything in the calling thread (chunked.THREADS)."""
+    monkeypatch.setattr(chunked, "THREADS", request.param)
+    return request.param
 
 
 @contextlib.contextmanager
@@ -526,7 +524,7 @@ def deterministic_algorithms():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 8])
-def test_chunked_is_bit_identical_from_run_to_run_at_every_thread_count(threads):
+def test_chunked_is_bit_identical_from_run_to_run_at_every_thread_count(threads, threads_setting):
     """Issue 11, defect 3: with 3 or more threads the per-worker dK/dV partials were summed in
     the order the workers started. Now: the same bits on every run (deterministic algorithms on),
     at 1 to 8 threads (more than the cores), each run held to the oracle."""
@@ -546,14 +544,16 @@ def test_chunked_is_bit_identical_from_run_to_run_at_every_thread_count(threads)
     assert_agrees(f"{threads} threads", out, grads, oracle, case.dtype)
 
 
-def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch):
+def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch, threads_setting):
     """Issue 11, defect 5: the workers called torch.set_num_threads(1), which is process-wide, so
     a thread that started during a chunked call ran torch on one thread. A thread started from
-    inside every tile computation (forward and backward) sees the caller's thread count."""
-    seen = []
+    inside every tile computation (forward and backward) sees the caller's thread count, and
+    the work ran where chunked.THREADS says: in 3 threads of their own, or the calling one."""
+    seen, where = [], set()
     scores = chunked._Problem.scores
 
     def spying(self, *args):
+        where.add(threading.get_ident())
         t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
         t.start()
         t.join()
@@ -566,13 +566,17 @@ def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch):
         out.sum().backward()
         assert torch.get_num_threads() == 3
     assert len(seen) > 10 and set(seen) == {3}
+    if threads_setting:  # 3 per pass (a thread id may be reused by the backward's threads)
+        assert threading.get_ident() not in where and 3 <= len(where) <= 6
+    else:
+        assert where == {threading.get_ident()}
 
 
 GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
 @pytest.mark.parametrize("mode", list(GRAD_MODES))
-def test_chunked_runs_under_every_grad_mode_with_several_query_blocks(mode):
+def test_chunked_runs_under_every_grad_mode_with_several_query_blocks(mode, threads_setting):
     """Issue 11, defect 4: under inference_mode the workers ran outside it and wrote into
     inference tensors ("Inplace update to inference tensor outside InferenceMode")."""
     q, k, v = qkv(B=2, H=4, Hkv=2, Lq=40, Lk=45, D=8, dtype=torch.float32, seed=5)
@@ -587,7 +591,7 @@ def test_chunked_runs_under_every_grad_mode_with_several_query_blocks(mode):
     assert verdict.ok, str(verdict)
 
 
-def test_chunked_mixes_grad_modes_across_calls():
+def test_chunked_mixes_grad_modes_across_calls(threads_setting):
     """Inputs made under inference_mode used under no_grad and grad mode, and normal inputs under
     inference_mode, in any order: the same bits every time, and gradients where asked."""
     with torch.inference_mode():

@@ -41,19 +41,26 @@ TILED = {"chunked": chunked_attention}
 OFFSETS = [0.0, 0.0, -50.0, -90.0, -200.0, -800.0, 50.0, 90.0, 200.0, 800.0]
 
 
-def run_case(case: Case, block_q: int, block_k: int, panel_scores=None) -> None:
-    """Every tiled backend on ``case`` with tiles of ``block_q`` x ``block_k``, against the oracle.
-    ``panel_scores`` sets :data:`chunked.PANEL_SCORES` (1: every tile computed on its own)."""
+def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> None:
+    """Every tiled backend on ``case`` with tiles of ``block_q`` x ``block_k``, against the oracle,
+    computed the way :data:`PATHS` names."""
     oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
+    panel_scores, threads = PATHS[path]
     for name, fn in TILED.items():
         def call(leaves, fn=fn):
             q, k, v, parts = case.assemble(leaves)
             return fn(q, k, v, combine(parts), scale=case.scale, block_q=block_q, block_k=block_k)
 
-        with panel_budget(panel_scores):
+        with panel_budget(panel_scores), torch_threads(threads):
             out, grads = forward_backward(call, case.leaves(), case.grad_out)
         assert out.dtype == case.dtype
-        assert_agrees(f"{name} tiles {block_q}x{block_k}", out, grads, oracle, case.dtype)
+        assert_agrees(f"{name} tiles {block_q}x{block_k} ({path})", out, grads, oracle, case.dtype)
+
+
+#: how the tiles are computed: (chunked.PANEL_SCORES, torch threads). "panels": the calling
+#: thread merges tiles into panels; "tiles": one tile at a time; "threads": 3 threads share
+#: the query blocks (each single-threaded, so this module's one-thread rule still holds)
+PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
 
 
 @contextlib.contextmanager
@@ -67,6 +74,16 @@ def panel_budget(scores):
         yield
     finally:
         chunked.PANEL_SCORES = before
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=0) -> Case:
@@ -117,7 +134,7 @@ def extreme_tiles(draw):
     case = make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=seed)
     if draw(st.booleans()):  # the same problem with its keys in a random order: any tile order
         case = permute_keys(case, torch.randperm(Lk, generator=gen))
-    return case, block_q, block_k, offsets, draw(st.sampled_from([None, 1]))
+    return case, block_q, block_k, offsets, draw(st.sampled_from(list(PATHS)))
 
 
 def permute_keys(case: Case, perm: torch.Tensor) -> Case:
@@ -134,34 +151,32 @@ def permute_keys(case: Case, perm: torch.Tensor) -> Case:
 @settings(max_examples=60)
 @given(drawn=extreme_tiles())
 def test_tiled_backends_match_float64_oracle_on_extreme_tiles(drawn):
-    case, block_q, block_k, offsets, panel_scores = drawn
+    case, block_q, block_k, offsets, path = drawn
     note(f"{case.dtype} B={case.B} H={case.H} Hkv={case.Hkv} Lq={case.Lq} Lk={case.Lk} D={case.D} "
-         f"tiles {block_q}x{block_k} offsets={offsets} masks={[p.kind for p in case.parts]} "
-         f"PANEL_SCORES={panel_scores}")
-    run_case(case, block_q, block_k, panel_scores)
+         f"tiles {block_q}x{block_k} offsets={offsets} masks={[p.kind for p in case.parts]} path={path}")
+    run_case(case, block_q, block_k, path)
 
 
 # --------------------------------------------------------------------------- named shapes
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
-PANELS = [None, 1]  # the default panels, and every tile on its own
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("padded_tiles", [1, 2])
-@pytest.mark.parametrize("panel_scores", PANELS)
-def test_empty_first_tiles_then_scores_far_below_zero(dtype, padded_tiles, panel_scores):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_empty_first_tiles_then_scores_far_below_zero(dtype, padded_tiles, path):
     """Issue 11, defect 2: the first tiles a row visits show it no key, and every score it can see
     is far below 0 (-200, past float32's exp range; -800 past float64's)."""
     Lq, Lk, bq, bk = 7, 20, 3, 4
     offset = -800.0 if dtype == torch.float64 else -200.0
     parts = [MaskPart("key_padding", tensor=(torch.arange(Lk) >= padded_tiles * bk).expand(2, Lk)),
              MaskPart("bias", tensor=offset + torch.randn(2, 1, Lq, Lk, generator=torch.Generator().manual_seed(1)))]
-    run_case(make_case(dtype, 2, 4, 2, Lq, Lk, 5, 3, parts), bq, bk, panel_scores)
+    run_case(make_case(dtype, 2, 4, 2, Lq, Lk, 5, 3, parts), bq, bk, path)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("panel_scores", PANELS)
-def test_visible_keys_only_in_the_last_tile(dtype, panel_scores):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_visible_keys_only_in_the_last_tile(dtype, path):
     """Every row sees nothing until the last tiles, and only scores far below 0 there."""
     Lq, Lk, bq, bk = 6, 17, 2, 4  # the last tile holds key 16 alone
     keep = torch.zeros(Lq, Lk, dtype=torch.bool)
@@ -169,12 +184,12 @@ def test_visible_keys_only_in_the_last_tile(dtype, panel_scores):
     keep[::2, 12:] = True
     offset = -800.0 if dtype == torch.float64 else -120.0
     parts = [MaskPart("keep", tensor=keep), MaskPart("bias", tensor=torch.full((Lk,), offset))]
-    run_case(make_case(dtype, 1, 2, 1, Lq, Lk, 4, 4, parts), bq, bk, panel_scores)
+    run_case(make_case(dtype, 1, 2, 1, Lq, Lk, 4, 4, parts), bq, bk, path)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("panel_scores", PANELS)
-def test_scores_far_above_in_a_later_tile_while_a_row_of_its_block_sees_nothing_there(dtype, panel_scores):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_scores_far_above_in_a_later_tile_while_a_row_of_its_block_sees_nothing_there(dtype, path):
     """Row 0 sees keys only in tile 0 (scores near -200); row 1 of its query block sees a tile
     later whose scores are far above its shift, so that tile is redone: row 0's shift must
     stay where it is (a redo that takes 0 as the max of a row that sees nothing there would
@@ -187,19 +202,19 @@ def test_scores_far_above_in_a_later_tile_while_a_row_of_its_block_sees_nothing_
     bias[0, :4] = low
     bias[1, 4:] = big
     parts = [MaskPart("keep", tensor=keep), MaskPart("bias", tensor=bias)]
-    run_case(make_case(dtype, 1, 1, 1, Lq, Lk, 3, 3, parts), bq, bk, panel_scores)
+    run_case(make_case(dtype, 1, 1, 1, Lq, Lk, 3, 3, parts), bq, bk, path)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("panel_scores", PANELS)
-def test_first_tile_far_above_the_rest(dtype, panel_scores):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_first_tile_far_above_the_rest(dtype, path):
     """The first tile sets a shift far above every later score: later tiles underflow to 0,
     which is exact (their weights are below rounding)."""
     Lq, Lk, bq, bk = 5, 12, 5, 3
     bias = torch.zeros(Lk)
     bias[:3] = 300.0
     bias[9:] = 290.0  # within exp's range of the first tile's scores again
-    run_case(make_case(dtype, 1, 2, 2, Lq, Lk, 4, 2, [MaskPart("bias", tensor=bias)]), bq, bk, panel_scores)
+    run_case(make_case(dtype, 1, 2, 2, Lq, Lk, 4, 2, [MaskPart("bias", tensor=bias)]), bq, bk, path)
 
 
 # --------------------------------------------------------------------------- the scale

@@ -2,10 +2,9 @@
 
 The (Lq, Lk) scores are never held at once. Queries are cut into blocks of ``block_q`` and keys
 into blocks of ``block_k``; a *tile* is one query block x one key block, and the tiles a causal
-or window mask hides entirely are never computed. Key blocks are the outer loop, and the tiles
-that consecutive query blocks have in one key block are computed together as a *panel* of at
-most :data:`PANEL_SCORES` scores, so that each tensor op is large enough for torch's own
-intra-op threads::
+or window mask hides entirely are never computed. Key blocks are the outer loop; the tiles
+computed together (one tile, or in the calling thread the tiles of consecutive query blocks in
+one key block, a *panel* of at most :data:`PANEL_SCORES` scores) go through::
 
     shift = unset, acc = 0                          # per query row; acc (Dv + 1): Σ p V and Σ p
     for each key block K_j, V_j, left to right:
@@ -35,9 +34,16 @@ is O(L) as well: p = exp(s - lse), dV += pᵀ dO, dP = dO Vᵀ, dS = p ⊙ (dP -
 dQ += dS K · scale, dK += dSᵀ Q · scale, and a bias tensor gets dS. It is not differentiable
 itself: a double backward raises a clear error (use ``backend="reference"``).
 
-Everything runs in the calling thread, panel after panel in a fixed order: results are
-bit-identical from run to run at a given ``torch.get_num_threads()``, the caller's grad mode,
-``no_grad`` and ``inference_mode`` hold throughout, and no process-wide setting is touched.
+Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, block i
+to thread i mod n, each running torch single-threaded (one parallel region per thread, not one
+per op: on a busy machine that is twice as fast as torch's intra-op threads on these ops). A
+thread is made single-threaded with the per-thread calls of OpenMP and MKL, not with
+``torch.set_num_threads``, which is process-wide (see :func:`_runtime_setters`); where that is
+not possible, or where a Python dispatch mode or a tensor subclass is in play, everything runs
+in the calling thread, panel after panel (:data:`THREADS` = False forces it). Either way the
+order of every sum is fixed (the backward adds the threads' dK, dV in thread order), so results
+are bit-identical from run to run at a given thread count, the caller's ``no_grad`` and
+``inference_mode`` hold, and no other thread's settings change.
 Under ``torch.autocast`` the inputs are cast as autocast casts them for SDPA (float64 stays);
 the tiles themselves are always computed in the compute dtype. Grouped-query attention reads
 K/V once per kv head: q is viewed as (B·Hkv, Lq·G, D) with the G query heads of one kv head
@@ -52,8 +58,13 @@ D head dim, Dv value head dim.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import math
+import os
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
@@ -64,8 +75,8 @@ from ..masks import Mask, as_mask, split_additive
 from . import Backend, Call, register
 from .reference import compute_dtype
 
-__all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "PANEL_SCORES", "AUTO_MIN_SCORES",
-           "BLOCKS_COMPUTED"]
+__all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "PANEL_SCORES", "THREADS",
+           "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
 
 #: default rows (queries x query heads per kv head) of a query block
 BLOCK_ROWS = 512
@@ -75,6 +86,9 @@ BLOCK_K = 512
 #: each op is big enough for torch's intra-op threads, its scores still fit in a CPU cache,
 #: and a call's extra memory stays bounded
 PANEL_SCORES = 2 ** 21
+#: share the query blocks among torch.get_num_threads() threads (CPU); False: all in the
+#: calling thread, each op using torch's intra-op threads
+THREADS = True
 #: ``backend="auto"`` declines the chunked backend when Lq·Lk is below this: SDPA's fused
 #: kernel is faster there and the dense mask it may need is small.
 AUTO_MIN_SCORES = 2048 * 2048
@@ -120,8 +134,8 @@ class _Problem:
         self.q = self.group_rows(q.to(self.cdt) * scale)
         self.ka = _with_ones_column(k.to(self.cdt).reshape(self.N, self.Lk, D))
         self.va = _with_ones_column(v.to(self.cdt).reshape(self.N, self.Lk, self.Dv))
-        panel_queries = max(block_q, PANEL_SCORES // max(1, self.N * self.G * block_k) // block_q * block_q)
-        self.plan = _plan(Lq, self.Lk, rest, block_q, block_k, positions, self.mask_shape, panel_queries)
+        self.block_q, self.block_k = block_q, block_k
+        self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
         self.limit = math.exp(math.log(torch.finfo(self.cdt).max) / 2)
 
@@ -160,6 +174,19 @@ class _Problem:
                 s5.masked_fill_(~self._grouped_tile(keep, select_heads=True), _NEG_INF)
         return s
 
+    def plans(self, workers: int) -> list:
+        """One list of panels per worker (see :func:`_plan`): query block i goes to worker
+        i mod ``workers``, a fixed rule, so every sum is formed in the same order on every run.
+        One worker (the calling thread) merges consecutive blocks into panels of up to
+        :data:`PANEL_SCORES` scores, for torch's intra-op threads; several workers, each
+        single-threaded, compute tile by tile."""
+        if workers == 1:
+            panel_queries = PANEL_SCORES // max(1, self.N * self.G * self.block_k) // self.block_q * self.block_q
+        else:
+            panel_queries = self.block_q
+        return [_plan(self.blocks[w::workers], self.Lk, self.rest, self.block_k, self.mask_shape,
+                      max(self.block_q, panel_queries)) for w in range(workers)]
+
     # -- passes
     def forward(self):
         """``(out, lse)``: out (N, Lq·G, Dv) and lse (N, Lq·G) in the compute dtype.
@@ -172,26 +199,38 @@ class _Problem:
         qa = _with_ones_column(self.q, 0.0)
         acc = torch.zeros(self.N, self.Lq * G, Dv + 1, dtype=self.cdt, device=self.q.device)
         unset = torch.ones(self.N, self.Lq * G, 1, dtype=torch.bool, device=self.q.device)
-        for k0, k1, r0, r1, a0, _ in self.plan:
-            rows = slice(r0 * G, r1 * G)
-            s = self.scores(qa[:, rows], r0, r1, a0, k0, k1)
-            fresh = unset[:, rows]
-            if _any(fresh):  # rows that may see their first key here: shift them by its row max
-                top = s.amax(dim=-1, keepdim=True)
-                seen = top > _NEG_INF
-                shift = torch.where(fresh & seen, top, 0.0)
-                s.sub_(shift)
-                qa[:, rows, D:].sub_(shift)
-                fresh.logical_and_(~seen)
-            part = torch.bmm(s.exp_(), self.va[:, k0:k1])
-            if _any(part[..., Dv:] > self.limit):
-                part = self._redo(qa, acc, r0, r1, a0, k0, k1)
-                BLOCKS_COMPUTED["redone"] += 1
-            acc[:, rows].add_(part)
-        BLOCKS_COMPUTED["forward"] += sum(p[-1] for p in self.plan)
+        plans = self.plans(_workers(len(self.blocks), self.q, self.ka, self.va, *self.biases))
+
+        def work(w):  # query blocks are disjoint rows: workers never write the same row
+            return sum(self._forward_panel(qa, acc, unset, k0, k1, r0, r1, a0) for k0, k1, r0, r1, a0, _ in plans[w])
+
+        redone = sum(_share(work, len(plans)))
+        if redone:
+            BLOCKS_COMPUTED["redone"] += redone
+        BLOCKS_COMPUTED["forward"] += sum(p[-1] for plan in plans for p in plan)
         total = acc[..., Dv:]
         out = acc[..., :Dv] / total.masked_fill(total == 0, 1.0)
         return out, (total.log() - qa[..., D:]).squeeze(-1)
+
+    def _forward_panel(self, qa, acc, unset, k0, k1, r0, r1, a0) -> bool:
+        """One panel into ``acc``; whether it had to be redone."""
+        G, D, Dv = self.G, self.D, self.Dv
+        rows = slice(r0 * G, r1 * G)
+        s = self.scores(qa[:, rows], r0, r1, a0, k0, k1)
+        fresh = unset[:, rows]
+        if _any(fresh):  # rows that may see their first key here: shift them by its row max
+            top = s.amax(dim=-1, keepdim=True)
+            seen = top > _NEG_INF
+            shift = torch.where(fresh & seen, top, 0.0)
+            s.sub_(shift)
+            qa[:, rows, D:].sub_(shift)
+            fresh.logical_and_(~seen)
+        part = torch.bmm(s.exp_(), self.va[:, k0:k1])
+        redo = _any(part[..., Dv:] > self.limit)
+        if redo:
+            part = self._redo(qa, acc, r0, r1, a0, k0, k1)
+        acc[:, rows].add_(part)
+        return redo
 
     def _redo(self, qa, acc, r0, r1, a0, k0, k1) -> torch.Tensor:
         """Redo one panel with shift = max(old shift, its row max); rescales the rows' ``acc`` to it.
@@ -226,25 +265,132 @@ class _Problem:
             shift = shift - g_lse.unsqueeze(-1)
         qa = torch.cat([q, -lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)], dim=-1)
         ga = torch.cat([g_out, -shift], dim=-1)
-        for k0, k1, r0, r1, a0, _ in self.plan:
-            rows = slice(r0 * G, r1 * G)
-            p = self.scores(qa[:, rows], r0, r1, a0, k0, k1).exp_()
-            # products into new tensors, then added: a slice as the output of baddbmm_ would
-            # make torch run one matrix product per batch item instead of one batched product
-            dv[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), g_out[:, rows]))
-            ds = p.mul_(torch.bmm(ga[:, rows], self.va[:, k0:k1].transpose(1, 2)))
-            dq[:, rows].add_(torch.bmm(ds, k[:, k0:k1]))
-            dk[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), q[:, rows]))
-            for db in dbiases:
-                if db is not None:
-                    _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
-        BLOCKS_COMPUTED["backward"] += sum(p[-1] for p in self.plan)
+        # a bias gradient may be shared by all query blocks (a broadcast bias): one worker
+        workers = 1 if any(db is not None for db in dbiases) else _workers(len(self.blocks), q, self.ka, g_out)
+        plans = self.plans(workers)
+        partials = [(dk, dv)] + [(torch.zeros_like(dk), torch.zeros_like(dv)) for _ in plans[1:]]
+
+        def work(w):  # dq: disjoint rows; dk, dv: the worker's own partial sums
+            pdk, pdv = partials[w]
+            for k0, k1, r0, r1, a0, _ in plans[w]:
+                rows = slice(r0 * G, r1 * G)
+                p = self.scores(qa[:, rows], r0, r1, a0, k0, k1).exp_()
+                # products into new tensors, then added: a slice as the output of baddbmm_ would
+                # make torch run one matrix product per batch item instead of one batched product
+                pdv[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), g_out[:, rows]))
+                ds = p.mul_(torch.bmm(ga[:, rows], self.va[:, k0:k1].transpose(1, 2)))
+                dq[:, rows].add_(torch.bmm(ds, k[:, k0:k1]))
+                pdk[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), q[:, rows]))
+                for db in dbiases:
+                    if db is not None:
+                        _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
+
+        _share(work, len(plans))
+        for pdk, pdv in partials[1:]:  # in worker order, whichever finished first
+            dk.add_(pdk)
+            dv.add_(pdv)
+        BLOCKS_COMPUTED["backward"] += sum(p[-1] for plan in plans for p in plan)
         return dq.mul_(self.scale), dk, dv, dbiases
 
     def _ungrouped_tile(self, ds: torch.Tensor, nq: int) -> torch.Tensor:
         """(N, nq·G, bk) -> (B, H, nq, bk)."""
         bk = ds.shape[-1]
         return ds.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
+
+
+def _workers(blocks: int, *tensors: torch.Tensor) -> int:
+    """How many threads share ``blocks`` query blocks: ``torch.get_num_threads()`` of them (at
+    most one per block) on CPU when :data:`THREADS` allows it and each thread can run torch
+    single-threaded without touching the others (:func:`_one_thread_here`); otherwise 1, the
+    calling thread. Also 1 where thread-local state would not reach other threads: tensor
+    subclasses, and Python dispatch or function modes (e.g. FakeTensorMode, FlopCounterMode)."""
+    threads = torch.get_num_threads()
+    if not THREADS or threads < 2 or blocks < 2 or tensors[0].device.type != "cpu":
+        return 1
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
+        return 1
+    return min(threads, blocks) if _thread_local_threads_work() else 1
+
+
+def _python_modes_active() -> bool:
+    """Whether a Python dispatch or function mode is active (True when this torch cannot tell)."""
+    try:
+        return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
+    except AttributeError:
+        return True
+
+
+def _share(work, n: int) -> list:
+    """``[work(w) for w in range(n)]``: in the calling thread for n = 1, else each in its own
+    thread, running torch single-threaded, in the caller's inference mode and without autograd
+    (the passes need none). The caller's torch.get_num_threads() and every other thread's are
+    left alone."""
+    if n == 1:
+        return [work(0)]
+    inference = torch.is_inference_mode_enabled()
+
+    def run(w):
+        _one_thread_here()
+        with torch.inference_mode(inference), torch.no_grad():
+            return work(w)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(run, range(n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_setters():
+    """The thread-local halves of ``torch.set_num_threads``, as ctypes functions of int, or None.
+
+    torch.set_num_threads(n) is process-wide: besides the calling thread's OpenMP and MKL
+    settings it stores n where every thread that starts later copies it from (ATen's
+    ParallelOpenMP.cpp; torch 2.13 offers no per-thread variant), so a worker calling it would
+    set the thread count of unrelated threads. OpenMP's ``omp_set_num_threads`` and MKL's
+    ``MKL_Set_Num_Threads_Local`` set the calling thread's alone.
+    """
+    def find(name, libraries):
+        for lib in libraries:
+            try:
+                f = getattr(ctypes.CDLL(lib), name)
+            except (OSError, TypeError, AttributeError):
+                continue
+            f.argtypes, f.restype = [ctypes.c_int], ctypes.c_int
+            return f
+        return None
+
+    here = os.path.join(os.path.dirname(torch.__file__), "lib")
+    files = sorted(os.listdir(here)) if os.path.isdir(here) else []
+
+    def ours(*prefixes):  # torch's own copies first, then whatever the process has loaded
+        return [os.path.join(here, f) for f in files if f.startswith(prefixes)] + [None]
+
+    omp = find("omp_set_num_threads", ours("libgomp", "libiomp", "libomp", "libtorch_cpu.")) \
+        if torch.backends.openmp.is_available() else None
+    mkl = find("MKL_Set_Num_Threads_Local", ours("libtorch_cpu.", "torch_cpu.", "libmkl")) \
+        if torch.backends.mkl.is_available() else None
+    return omp, mkl
+
+
+def _one_thread_here() -> bool:
+    """Make torch's intra-op work single-threaded in the calling thread alone; whether it did."""
+    omp, mkl = _runtime_setters()
+    if omp is None or (mkl is None and torch.backends.mkl.is_available()):
+        return False
+    torch.get_num_threads()  # torch's own setup of a new thread first: it would undo ours later
+    omp(1)
+    if mkl is not None:
+        mkl(1)
+    return torch.get_num_threads() == 1  # it was the OpenMP runtime torch itself uses
+
+
+@functools.lru_cache(maxsize=None)
+def _thread_local_threads_work() -> bool:
+    """Whether :func:`_one_thread_here` works in this process (tried once, in a thread of its own)."""
+    result = []
+    probe = threading.Thread(target=lambda: result.append(_one_thread_here()))
+    probe.start()
+    probe.join()
+    return result == [True]
 
 
 def _any(t: torch.Tensor) -> bool:
@@ -295,10 +441,18 @@ def _add_bias_grad(db: torch.Tensor, ds: torch.Tensor, q0, q1, k0, k1) -> None:
     _tile4(db, q0, q1, k0, k1).add_(ds)
 
 
-def _plan(lq, lk, rest: Optional[Mask], block_q, block_k, positions, mask_shape, panel_queries):
-    """The panels in the order they are computed: ``[(k0, k1, r0, r1, a0, tiles), ...]``, keys
-    k0..k1-1 (one key block) x local query rows r0..r1-1 at absolute positions a0.. (``tiles``
-    query blocks of it), key blocks left to right.
+def _query_blocks(lq, block_q, positions):
+    """``[(r0, r1, a0), ...]``: local query rows r0..r1-1 at absolute positions a0.. (``positions``,
+    or the rows themselves); a block never spans a gap in the positions."""
+    runs = _runs(positions) if positions is not None else [(0, lq, 0)]
+    return [(r0, min(stop, r0 + block_q), abs0 + (r0 - start))
+            for start, stop, abs0 in runs for r0 in range(start, stop, block_q)]
+
+
+def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries):
+    """The panels of the query ``blocks`` in the order they are computed:
+    ``[(k0, k1, r0, r1, a0, tiles), ...]``, keys k0..k1-1 (one key block) x local query rows
+    r0..r1-1 at absolute positions a0.. (``tiles`` query blocks of them), key blocks left to right.
 
     Key blocks lie on a grid of ``block_k``; a query block visits those that meet the keys the
     structural mask lets it see (:meth:`Mask.key_span`), so hidden tiles are never computed.
@@ -306,25 +460,22 @@ def _plan(lq, lk, rest: Optional[Mask], block_q, block_k, positions, mask_shape,
     queries while they are consecutive (rows and positions) and alike: tiles the structural
     mask shows entirely are not merged with tiles it cuts, so a tall panel needs no keep mask."""
     mlq, mlk = mask_shape[-2:]
-    runs = _runs(positions) if positions is not None else [(0, lq, 0)]
     columns: dict = {}  # k0 -> [[r0, r1, a0, whole, tiles], ...]
-    for start, stop, abs0 in runs:
-        for r0 in range(start, stop, block_q):
-            r1 = min(stop, r0 + block_q)
-            a0, a1 = abs0 + (r0 - start), abs0 + (r1 - start)
-            lo, hi, last_lo, first_hi = 0, lk, 0, lk
-            if rest is not None:  # spans move forward with the query: the block's first and
-                lo, hi = rest.key_span(a0, a1, mlq, mlk)  # last rows bound the keys all its rows see
-                last_lo, first_hi = rest.key_span(a1 - 1, a1, mlq, mlk)[0], rest.key_span(a0, a0 + 1, mlq, mlk)[1]
-            for k0 in range(max(lo, 0) // block_k * block_k, hi if lo < hi else 0, block_k):
-                k1 = min(lk, k0 + block_k)
-                whole = last_lo <= k0 and k1 <= first_hi
-                panels = columns.setdefault(k0, [])
-                p = panels[-1] if panels else None
-                if p and p[1] == r0 and p[2] + (r0 - p[0]) == a0 and p[3] == whole and r1 - p[0] <= panel_queries:
-                    p[1], p[4] = r1, p[4] + 1
-                else:
-                    panels.append([r0, r1, a0, whole, 1])
+    for r0, r1, a0 in blocks:
+        a1 = a0 + (r1 - r0)
+        lo, hi, last_lo, first_hi = 0, lk, 0, lk
+        if rest is not None:  # spans move forward with the query: the block's first and last
+            lo, hi = rest.key_span(a0, a1, mlq, mlk)  # rows bound the keys all its rows see
+            last_lo, first_hi = rest.key_span(a1 - 1, a1, mlq, mlk)[0], rest.key_span(a0, a0 + 1, mlq, mlk)[1]
+        for k0 in range(max(lo, 0) // block_k * block_k, hi if lo < hi else 0, block_k):
+            k1 = min(lk, k0 + block_k)
+            whole = last_lo <= k0 and k1 <= first_hi
+            panels = columns.setdefault(k0, [])
+            p = panels[-1] if panels else None
+            if p and p[1] == r0 and p[2] + (r0 - p[0]) == a0 and p[3] == whole and r1 - p[0] <= panel_queries:
+                p[1], p[4] = r1, p[4] + 1
+            else:
+                panels.append([r0, r1, a0, whole, 1])
     return [(k0, min(lk, k0 + block_k), r0, r1, a0, tiles)
             for k0 in sorted(columns) for r0, r1, a0, _, tiles in columns[k0]]
 
