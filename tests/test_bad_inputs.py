@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -364,11 +365,48 @@ CLI_MISTAKES = [
     ["explain", "--model", "gpt2"],
     ["explain", "--layer", "-1"],
     ["explain", "--batch"],
+    # sizes the walkthrough cannot show (issue 11, defect 10): refused with the cap, before any work
+    ["explain", "--tokens", "100000"],
+    ["explain", "--keys", "100000"],
+    ["explain", "--tokens", "65", "--format", "html", "--out", "{tmp}/w.html"],
+    ["explain", "--keys", "65", "--format", "png", "--out", "{tmp}/h.png"],
+    ["explain", "--batch", "17"],
+    ["explain", "--heads", "17", "--d-out", "17"],
+    ["explain", "--d-in", "1000000000"],
+    ["explain", "--d-out", "2048"],
+    ["explain", "--batch", "16", "--heads", "8", "--d-out", "16", "--tokens", "200"],
+    ["explain", "--batch", "16", "--heads", "16", "--d-out", "16", "--tokens", "64", "--format", "html",
+     "--out", "{tmp}/w.html"],
+    ["explain", "--seed", str(2 ** 64)],
+    # an --out that cannot be written: the OS's reason, one line (the --model ones before loading it)
+    ["explain", "--out", "{tmp}/missing/w.txt"],
+    ["explain", "--out", "{tmp}/missing/w.html", "--format", "html", "--model", "minilm"],
+    ["explain", "--out", str(Path(__file__)) + "/w.html", "--format", "html"],  # under a regular file
+    ["explain", "--out", "-", "--format", "png"],  # binary PNG to a text stream
+    *([["explain", "--out", "/sys/w.html", "--format", "html"],  # no file can be created in sysfs
+       ["explain", "--out", "/sys/h.png", "--format", "png"],
+       ["explain", "--out", "/sys/h.png", "--format", "png", "--model", "minilm"]] if Path("/sys/kernel").is_dir() else []),
+    *([["explain", "--out", "/dev/full", "--format", "html"],  # the disk fills while writing
+       ["explain", "--out", "/dev/full", "--format", "png"]] if Path("/dev/full").exists() else []),
+    # options that do not apply are refused, not ignored
+    ["explain", "--text", "hello"],
+    ["explain", "--layer", "1"],
+    ["explain", "--head", "0"],
+    ["explain", "--tokens", "5", "--model", "minilm"],
+    ["explain", "--no-causal", "--model", "minilm"],
+    ["explain", "--no-values", "--model", "minilm"],
+    ["explain", "--seed", "1", "--model", "minilm"],
+    ["explain", "--per-head", "--format", "html", "--out", "{tmp}/w.html"],
+    ["explain", "--cost", "--format", "png", "--out", "{tmp}/h.png"],
+    ["explain", "--no-values", "--format", "html", "--out", "{tmp}/w.html"],
+    ["explain", "--lang", "zh", "--format", "png", "--out", "{tmp}/h.png"],
 ]
 
 
 @pytest.mark.parametrize("argv", CLI_MISTAKES, ids=[" ".join(a) or "(no arguments)" for a in CLI_MISTAKES])
-def test_cli_mistake_is_one_line_and_exit_2(argv):
+def test_cli_mistake_is_one_line_and_exit_2(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a stray file would land here, and is checked for below
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     out, err = io.StringIO(), io.StringIO()
     assert cli_main(argv, stdout=out, stderr=err) == 2
     lines = err.getvalue().splitlines()
@@ -376,6 +414,7 @@ def test_cli_mistake_is_one_line_and_exit_2(argv):
     assert out.getvalue() == ""
     if argv[1:]:  # the message names the option (or the value) that was wrong
         assert argv[1] in lines[0] or argv[-1] in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 CLI_CONFIG_MISTAKES = [
@@ -421,6 +460,19 @@ def test_empty_sequences_give_empty_or_zero_output_and_zero_grads(backend, Lq, L
                 assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()
     w = multihead.attention_weights(*qkv(Lq=Lq, Lk=Lk)[:2], masks.causal())
     assert w.shape == (B, H, Lq, Lk)
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal()], ids=["no mask", "causal"])
+def test_attention_weights_of_no_heads_or_no_rows_is_empty(mask):
+    """heads=[] / rows=[] select nothing, as q[:, []] does: the empty slice of the full weights
+    (heads=[] raised "got Hq=0, Hkv=0", a message naming no argument; issue 11, defect 11)."""
+    full = multihead.attention_weights(Q, K, mask)
+    none = torch.tensor([], dtype=torch.int64)
+    for heads, rows, want in (([], None, full[:, []]), (none, [1, 3], full[:, []][:, :, [1, 3]]),
+                              (None, [], full[:, :, []]), ([0, 3], none, full[:, [0, 3]][:, :, []]),
+                              ([], [], full[:, []][:, :, []])):
+        got = multihead.attention_weights(Q, K, mask, heads=heads, rows=rows)
+        assert got.shape == want.shape and got.dtype == Q.dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("Lq,Lk", EMPTY)

@@ -198,3 +198,46 @@ def test_trace_records_the_append():
     step = t.step("append to the cache V")
     assert step.shape == (1, 2, 4, 8) and "4 of max_len=8" in step.note
     assert "positions 3..3" in t.step("rotary position embedding Q").note
+
+
+GRAD_MODES = {"grad_frozen_weights": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("then", list(GRAD_MODES))
+@pytest.mark.parametrize("first", list(GRAD_MODES))
+def test_cache_works_in_any_mix_of_grad_modes(first, then):
+    """Issue 11, defect 4: a cache filled under inference_mode crashed the next append under
+    no_grad ("Inplace update to inference tensor outside InferenceMode")."""
+    m = make(2, rope=True, dtype=torch.float64).requires_grad_(False)  # frozen: grad mode may decode too
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = m(x)
+    cache = mh.KVCache(16)
+    modes = [first, then, first, then, then, first, first]  # prefill of 4 tokens, then one token each
+    outs, start = [], 0
+    for i, mode in enumerate(modes):
+        n = 4 if i == 0 else 1
+        with GRAD_MODES[mode]():
+            outs.append(m(x[:, start:start + n], cache=cache))
+        start += n
+    torch.testing.assert_close(torch.cat(outs, 1), full[:, :start], rtol=0, atol=1e-12)
+    torch.testing.assert_close(cache.keys, m.rope(m.k_proj(x[:, :start]).view(2, start, 2, 8).transpose(1, 2)), rtol=0, atol=1e-12)
+
+
+def test_inference_buffers_are_copied_once_then_written_in_place():
+    cache = mh.KVCache(8)
+    k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    with torch.inference_mode():
+        cache.append(k[:, :, :3], v[:, :, :3])
+    assert cache.key.is_inference()
+    with torch.no_grad():
+        cache.append(k[:, :, 3:4], v[:, :, 3:4])  # copies the buffers into ordinary tensors
+        assert not cache.key.is_inference() and not cache.value.is_inference()
+        ptrs = cache.key.data_ptr(), cache.value.data_ptr()
+        keys, values = cache.append(k[:, :, 4:], v[:, :, 4:])
+    assert (cache.key.data_ptr(), cache.value.data_ptr()) == ptrs
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    with torch.inference_mode():  # ordinary buffers are written in place under inference_mode too
+        cache.reset()
+        cache.append(k, v)
+    assert (cache.key.data_ptr(), cache.value.data_ptr()) == ptrs and torch.equal(cache.keys, k)

@@ -365,5 +365,115 @@ def test_bad_arguments_name_the_fix():
         ring_attention(q, q, q)
 
 
+
+# ------------------------------------------------------------------------------ ContextParallel with RoPE
+# Issue 11, defect 9: ContextParallel re-implemented the module's forward and dropped RoPE
+# (0.108 off mha(x)). Now it runs the module's own steps with the shard's global positions.
+# name: (layout, causal, dtype, key padding); 2 ranks (gloo), launched once for all cases
+CP_ROPE_CASES = {
+    f"{layout}_{'causal' if causal else 'full'}_{str(dtype)[6:]}": (layout, causal, dtype, causal)
+    for layout in ("contiguous", "zigzag") for causal in (False, True) for dtype in (torch.float32, torch.float64)
+}
+
+
+def _cp_rope_case(name: str):
+    """The module (rope=True, GQA), full-sequence x, dout and keep (or None) of a case."""
+    layout, causal, dtype, padding = CP_ROPE_CASES[name]
+    torch.manual_seed(zlib.crc32(name.encode()))
+    mha = mh.MultiHeadAttention(16, 4, num_kv_heads=2, causal=causal, rope=True, dtype=dtype)
+    L = 8
+    x = torch.randn(2, L, 16, dtype=dtype)
+    dout = torch.randn(2, L, 16, dtype=dtype)
+    keep = None
+    if padding:
+        keep = torch.ones(2, L, dtype=torch.bool)
+        keep[1, :3] = False  # left padding of the second sequence
+    return mha, x, dout, keep
+
+
+def _cp_rope_worker(rank: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    from multihead.distributed import ContextParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    results = {}
+    for name, (layout, _, _, _) in CP_ROPE_CASES.items():
+        mha, x, dout, keep = _cp_rope_case(name)
+        xs = shard_sequence(x, rank, 2, layout).clone().requires_grad_(True)
+        mask = None if keep is None else masks.key_padding(shard_sequence(keep, rank, 2, layout, dim=-1))
+        out = ContextParallel(mha, layout=layout)(xs, mask=mask)
+        out.backward(shard_sequence(dout, rank, 2, layout))
+        results[name] = {"out": out.detach(), "dx": xs.grad, **{n: p.grad for n, p in mha.named_parameters()}}
+    torch.save(results, Path(outdir) / f"cp{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_rope_shards(tmp_path_factory):
+    """Run every CP_ROPE_CASES case on a 2-rank ring; each rank's results."""
+    outdir = tmp_path_factory.mktemp("cp_rope")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    port = _free_port()
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_distributed as t; t._cp_rope_worker(int(sys.argv[1]), {port}, sys.argv[2])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(outdir)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:  # only when the bounded wait above failed
+                p.kill()
+                p.communicate()
+    for r in range(2):
+        if not (outdir / f"cp{r}.pt").exists():
+            pytest.fail(f"rank {r} did not finish the ContextParallel cases; its output:\n{logs[r][-3000:] if r < len(logs) else ''}")
+    return [torch.load(outdir / f"cp{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", list(CP_ROPE_CASES))
+def test_context_parallel_keeps_rope(cp_rope_shards, case):
+    layout, _, dtype, _ = CP_ROPE_CASES[case]
+    mha, x, dout, keep = _cp_rope_case(case)
+    x = x.clone().requires_grad_(True)
+    ref = mha(x, mask=None if keep is None else masks.key_padding(keep))
+    ref.backward(dout)
+    tol = TOL[dtype]
+    gather = lambda key: unshard_sequence([cp_rope_shards[r][case][key] for r in range(2)], layout)  # noqa: E731
+    torch.testing.assert_close(gather("out"), ref.detach(), **tol)
+    torch.testing.assert_close(gather("dx"), x.grad, **tol)
+    for n, p in mha.named_parameters():  # each rank holds its shard's share: the sum is the whole
+        torch.testing.assert_close(cp_rope_shards[0][case][n] + cp_rope_shards[1][case][n], p.grad, **tol,
+                                   msg=lambda m: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_rope_at_shard_positions_is_the_shard_of_rope_on_the_whole_sequence(layout):
+    from multihead.rope import RoPE
+
+    rope, world, L = RoPE(8), 3, 12
+    x = torch.randn(2, 4, L, 8, dtype=torch.float64)
+    whole = rope(x)
+    for r in range(world):
+        got = rope(shard_sequence(x, r, world, layout), positions=shard_positions(r, world, L, layout))
+        assert torch.equal(got, shard_sequence(whole, r, world, layout))
+    with pytest.raises(ValueError, match=r"positions must have shape \(L,\) = \(12,\)"):
+        rope(x, positions=torch.arange(5))
+    with pytest.raises(TypeError, match="positions must be an integer torch.Tensor"):
+        rope(x, positions=torch.arange(12.0))
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        rope(x, positions=torch.arange(12) - 1)
+
+
+def test_context_parallel_with_rope_asks_for_a_process_group():
+    from multihead.distributed import ContextParallel
+
+    cp = ContextParallel(mh.MultiHeadAttention(16, 4, rope=True))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp(torch.randn(1, 4, 16))
+
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))

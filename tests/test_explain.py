@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import runpy
 import sys
@@ -270,6 +271,145 @@ def test_bad_options_exit_2_with_one_line(argv, needle):
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("multihead: error: ") and needle in err
     assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- sizes, --out, --version
+@pytest.mark.parametrize("option", ["--tokens", "--keys"])
+def test_sizes_the_walkthrough_cannot_show_are_refused_with_their_cap(option, tmp_path, monkeypatch):
+    """``--tokens 100000`` died in the allocator with a 40-line traceback and exit 1, and
+    ``--keys 100000`` printed a walkthrough of 100000 keys (issue 11, defect 10)."""
+    monkeypatch.chdir(tmp_path)  # before --out - meant stdout, it wrote a file named "-"
+    for fmt in ("text", "json", "html"):
+        rc, out, err = run_cli(option, "100000", "--format", fmt, "--out", "-")
+        assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+        from multihead.explain.example import LIMITS
+
+        limits = LIMITS[fmt]
+        assert f"{option} 100000 is more than --format {fmt} shows: at most {limits.tokens} ({limits.why})" in err
+
+
+CAPS = [
+    (["--tokens", "256"], None),
+    (["--tokens", "257"], "--tokens 257"),
+    (["--keys", "64", "--format", "html", "--out", "-"], None),
+    (["--keys", "65", "--format", "html", "--out", "-"], "--keys 65"),
+    (["--batch", "16", "--heads", "16", "--d-out", "16", "--tokens", "128", "--keys", "128"], None),  # 2**22 scores
+    (["--batch", "16", "--heads", "16", "--d-out", "16", "--tokens", "128", "--keys", "129"], "4,227,072 attention"),
+    (["--batch", "16", "--heads", "16", "--d-out", "16", "--tokens", "32", "--format", "png", "--out", "-"], None),
+    (["--batch", "16", "--heads", "16", "--d-out", "16", "--tokens", "33", "--format", "png", "--out", "-"],
+     "= 278,784 attention scores per step, more than --format png shows: at most 262,144"),
+    (["--d-in", "1024", "--d-out", "1024", "--heads", "16"], None),
+    (["--d-in", "1025"], "--d-in 1025 is more than the walkthrough shows: at most 1024"),
+    (["--seed", str(2 ** 64 - 1)], None),
+    (["--lang", "en", "--format", "png", "--out", "-"], None),  # a given option that applies is fine
+    (["--values", "--per-head", "--cost"], None),
+]
+
+
+@pytest.mark.parametrize("argv, refused", CAPS, ids=[" ".join(a) for a, _ in CAPS])
+def test_the_caps_are_exact(argv, refused, monkeypatch):
+    """Sizes up to each cap reach the walkthrough (stubbed here: the check comes before any work)."""
+    ran = []
+    monkeypatch.setattr(multihead.cli, "_explain", lambda args, stdout: ran.append(args) or 0)
+    rc, out, err = run_cli(*argv)
+    if refused is None:
+        assert (rc, err, len(ran)) == (0, "", 1)
+    else:
+        assert rc == 2 and not ran and err.count("\n") == 1 and refused in err
+
+
+def test_the_caps_are_in_the_help(capsys):
+    from multihead.explain.example import LIMITS, MAX_BATCH, MAX_FEATURES, MAX_HEADS
+
+    assert main(["explain", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for fmt, limits in LIMITS.items():
+        assert fmt in text and f"{limits.tokens} for" in text and f"{limits.scores:,}" in text
+    for flag, most in (("--batch", MAX_BATCH), ("--heads", MAX_HEADS), ("--d-in and --d-out", MAX_FEATURES)):
+        assert f"{flag} at most {most}" in text
+
+
+def _os_reason(directory: Path) -> str:
+    """What the OS says when a file is created in ``directory``."""
+    try:
+        (directory / "probe").open("w").close()
+    except OSError as e:
+        return e.strerror
+    raise AssertionError(f"{directory} is writable")
+
+
+def test_unwritable_out_is_one_line_before_any_work(tmp_path, monkeypatch):
+    """An --out that cannot be written is refused, with the OS's reason, before the forward pass
+    or the model runs (html/png printed a PermissionError traceback after the work; text reported
+    it only after the work; issue 11, defect 10)."""
+    from multihead.explain import real_model, visual, walkthrough
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the work ran before --out was checked")
+
+    for module, name in ((walkthrough, "explain"), (visual, "trace_example"), (real_model, "attention_for_text")):
+        monkeypatch.setattr(module, name, no_work)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    places = {tmp_path / "missing": "the directory {dir} does not exist; create it first",
+              a_file: "{dir}: " + _os_reason(a_file)}
+    if Path("/sys/kernel").is_dir():  # sysfs: no regular file can be created there, even by root
+        places[Path("/sys")] = "/sys: " + _os_reason(Path("/sys"))
+    runs = [[f] for f in ("text", "markdown", "json", "html", "png")]
+    runs += [["text", "--model", "minilm"], ["html", "--model", "minilm"], ["png", "--model", "minilm"]]
+    for directory, reason in places.items():
+        for fmt, *model in runs:
+            target = directory / ("x." + fmt)
+            rc, out, err = run_cli("--format", fmt, *model, "--out", str(target))
+            assert rc == 2 and out == "" and err.count("\n") == 1, (target, fmt, model, err)
+            assert err.startswith(f"multihead: error: cannot write --out {target}: ")
+            assert err.rstrip().endswith(reason.format(dir=directory)), err
+
+
+def test_out_dash_writes_to_stdout(tmp_path, monkeypatch):
+    """``--out -`` is stdout (it wrote a file named "-"), for every format; png as bytes."""
+    monkeypatch.chdir(tmp_path)
+    for fmt in ("text", "markdown", "json"):
+        assert run_cli("--format", fmt, "--out", "-") == run_cli("--format", fmt)
+    for fmt in ("html", "png"):
+        target = tmp_path / f"w.{fmt}"
+        rc, out, _ = run_cli("--format", fmt, "--out", str(target))
+        assert rc == 0 and out.startswith(f"wrote {target}")
+        stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+        assert main(["explain", "--format", fmt, "--out", "-"], stdout=stdout, stderr=io.StringIO()) == 0
+        stdout.flush()
+        assert stdout.buffer.getvalue() == target.read_bytes()  # and no "wrote ..." line
+        target.unlink()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version_comes_from_the_package_metadata(monkeypatch):
+    import importlib.metadata
+
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["--version"], stdout=out, stderr=err) == 0
+    assert (out.getvalue(), err.getvalue()) == (f"multihead {importlib.metadata.version('multihead')}\n", "")
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # a source tree, not installed
+    out = io.StringIO()
+    assert main(["--version"], stdout=out) == 0 and out.getvalue() == f"multihead {multihead.__version__}\n"
+
+
+def test_explain_does_not_import_the_cli():
+    """Imports point one way (cli -> explain): explain/* raises UsageError, a ValueError of its own."""
+    import subprocess
+
+    code = ("import sys, multihead.explain.walkthrough, multihead.explain.visual, multihead.explain.real_model, "
+            "multihead.explain.visual_png; print('multihead.cli' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(Path(multihead.__file__).parents[1])}  # this checkout's code
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout.strip() == "False"
+    from multihead.explain import UsageError
+
+    assert issubclass(UsageError, ValueError) and multihead.cli.UsageError is UsageError
 
 
 # ----------------------------------------------------------------------------- checks

@@ -162,6 +162,12 @@ def test_out_writes_the_same_text(tmp_path):
     assert target.read_text(encoding="utf-8") == run("--layer", "0", "--head", "2")[1]
 
 
+def test_out_dash_writes_the_text_to_stdout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it wrote a file named "-"
+    assert run("--layer", "0", "--head", "2", "--out", "-") == run("--layer", "0", "--head", "2")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -171,6 +177,10 @@ def test_out_writes_the_same_text(tmp_path):
         (("--format", "json"), "--model writes text, html or png; drop --format json"),
         (("--cost",), "--cost belongs to the step-by-step walkthrough"),
         (("--text", "word " * 80), "--text has 82 tokens"),
+        (("--tokens", "5"), "--tokens belongs to the step-by-step walkthrough, not to --model; drop it"),
+        (("--no-values",), "--no-values belongs to the step-by-step walkthrough, not to --model; drop it"),
+        *([(("--out", "/dev/full"), "cannot write --out /dev/full: No space left on device")]
+          if os.path.exists("/dev/full") else []),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(argv, message):
@@ -309,6 +319,9 @@ def test_png_grid_has_twelve_panels_labelled_with_tokens_and_patterns(real, tmp_
         (("--format", "png", "--head", "3", "--out", "x.png"), "--format png draws every head of the layer; drop --head"),
         (("--format", "html"), "--format html writes a file: add --out FILE"),
         (("--format", "html", "--layer", "6", "--out", "x.html"), "--layer 6 is out of range"),
+        (("--format", "png", "--lang", "zh", "--out", "x.png"), "--format png labels in English only"),
+        *([(("--format", fmt, "--out", "/dev/full"), "cannot write --out /dev/full: No space left on device")
+           for fmt in ("html", "png")] if os.path.exists("/dev/full") else []),
     ],
 )
 def test_visual_mistakes_exit_2_with_one_line(argv, message, tmp_path, monkeypatch):

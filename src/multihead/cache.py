@@ -17,9 +17,16 @@ With grouped-query attention (``num_kv_heads`` = Hkv < H) the cache holds only t
 heads: its memory is Hkv/H of a cache of all H heads (multi-query attention, Hkv = 1: 1/H).
 Memory = 2 · B · Hkv · max_len · D · bytes per element (see :attr:`KVCache.nbytes`).
 
-The cache is for inference: run decoding under ``torch.no_grad()`` (or ``inference_mode``).
+The cache is for inference: run decoding under ``torch.no_grad()`` or ``torch.inference_mode()``.
 Appending tensors that require grad raises, because the in-place writes of later steps would
 invalidate the graph of earlier ones.
+
+Grad modes may change from one call to the next. Buffers allocated under ``inference_mode``
+are inference tensors, which torch lets no one write outside inference mode; the first append
+outside it copies them, once, into ordinary tensors (O(max_len) copy, then writes in place as
+before), so a cache filled under ``inference_mode`` keeps working under ``no_grad`` or with
+frozen weights in grad mode. Buffers allocated outside ``inference_mode`` are written in place
+under any mode.
 
 Legend: B batch, Hkv key/value heads, L tokens, D head dim, Dv value head dim.
 """
@@ -46,6 +53,11 @@ class KVCache:
         length: tokens written so far (also ``len(cache)``).
         key, value: the whole buffers (B, Hkv, max_len, D) and (B, Hkv, max_len, Dv), or None
             before the first append; :attr:`keys` / :attr:`values` are the filled part.
+
+    Any mix of grad mode, ``no_grad`` and ``inference_mode`` across appends works: buffers
+    made under ``inference_mode`` are copied once into ordinary tensors by the first append
+    outside it (so ``key``/``value`` may then be new tensors). Inside ``torch.compile`` that
+    copy is not made (dynamo cannot ask ``is_inference()``): there, use one mode per cache.
     """
 
     def __init__(self, max_len: int):
@@ -118,6 +130,17 @@ class KVCache:
                 f"{k.dtype} on {k.device}; convert them, or call cache.reset() first"
             )
 
+    def _writable(self) -> None:
+        """Inference-tensor buffers (allocated under inference_mode) copied into ordinary tensors
+        when the current call is outside inference mode, where torch refuses to write them."""
+        if torch.compiler.is_compiling():
+            return  # dynamo cannot ask is_inference(); under torch.compile keep one grad mode per cache
+        if self.key is not None and self.key.is_inference() and not torch.is_inference_mode_enabled():
+            if self.length == 0:
+                self.key = self.value = None  # nothing to keep: _allocate makes new ones
+            else:
+                self.key, self.value = self.key.clone(), self.value.clone()
+
     def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
         B, Hkv, _, D = k.shape
         layout = (B, Hkv, self.max_len, D)
@@ -141,11 +164,9 @@ class KVCache:
 
         Raises:
             ValueError: when the cache would exceed ``max_len``, when the batch, head count,
-            head dims, dtype or device differ from the cached entries', or when k/v require grad.
+                head dims, dtype or device differ from the cached entries', or when k/v require grad.
         """
         self._check(k, v)
-        if self.length == 0:
-            self._allocate(k, v)
         start, n = self.length, k.shape[2]
         end = start + n
         if end > self.max_len:
@@ -153,6 +174,9 @@ class KVCache:
                 f"KVCache is full: it holds {start} of max_len={self.max_len} tokens and {n} more "
                 f"were appended; create it with a larger max_len (at least {end})"
             )
+        self._writable()
+        if self.length == 0:
+            self._allocate(k, v)
         self.key[:, :, start:end].copy_(k)
         self.value[:, :, start:end].copy_(v)
         self.length = end

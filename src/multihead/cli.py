@@ -1,7 +1,10 @@
 """The ``multihead`` command line: a thin shell over the library.
 
 ``build_parser()`` builds the argparse tree; ``main(argv)`` runs it in-process and returns the
-exit code, so tests call ``main([...])``. A user mistake prints one line on stderr and exits 2.
+exit code, so tests call ``main([...])``. A user mistake prints one line on stderr and exits 2:
+a bad value, an option that does not apply to what was asked (refused, not ignored), a size the
+chosen format cannot show (the caps of :mod:`multihead.explain.example`, listed in ``--help``),
+an ``--out`` that cannot be written. All of it is checked before any work.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from .explain import UsageError
+from .explain.example import LIMITS, MAX_BATCH, MAX_FEATURES, MAX_HEADS
+
 __all__ = ["build_parser", "main", "UsageError"]
 
-
-class UsageError(Exception):
-    """A mistake in what the user asked for: reported as one line, exit code 2."""
+_SEEDS = 2 ** 64  # torch.manual_seed takes 0 .. 2**64 - 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,8 +26,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _int_at_least(low: int, name: str):
-    """argparse type: an integer >= ``low``, with a one-line message naming the option."""
+def _int_in(name: str, low: int, high: Optional[int] = None, why: str = ""):
+    """argparse type: an integer in [low, high], with a one-line message naming the option."""
 
     def parse(text):
         try:
@@ -33,17 +37,19 @@ def _int_at_least(low: int, name: str):
         if value < low:
             bound = "a positive integer" if low == 1 else f">= {low}"
             raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {high} ({why}), got {value}")
         return value
 
     return parse
 
 
 def _positive(name):
-    return _int_at_least(1, name)
+    return _int_in(name, 1)
 
 
 def _non_negative(name):
-    return _int_at_least(0, name)
+    return _int_in(name, 0)
 
 
 def _probability(text):
@@ -56,8 +62,41 @@ def _probability(text):
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    """The installed distribution's version (one source: pyproject.toml); from a source tree that
+    is not installed, ``multihead.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("multihead")
+    except PackageNotFoundError:
+        import multihead
+
+        return getattr(multihead, "__version__", "unknown")
+
+
+def _limits_help() -> str:
+    text, picture = LIMITS["text"], LIMITS["html"]
+    return (
+        f"Sizes the walkthrough can show (larger ones are refused with a message): --batch at most "
+        f"{MAX_BATCH} (one batch element is shown at a time), --heads at most {MAX_HEADS} (html and png "
+        f"draw a heat map per head), --d-in and --d-out at most {MAX_FEATURES}; --tokens and --keys at "
+        f"most {text.tokens} for text, markdown and json (every step's values are kept and recomputed "
+        f"in float64; json writes them in full) and {picture.tokens} for html and png (one readable "
+        f"heat-map cell per token); batch x heads x tokens x keys at most {text.scores:,} attention "
+        f"scores per step ({picture.scores:,} for html and png)."
+    )
+
+
+def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
+    """The ``multihead`` argument parser. ``defaults=False`` leaves every option the user did not
+    give out of the namespace (how :func:`main` tells a given option from its default)."""
+
+    def d(value):
+        return value if defaults else argparse.SUPPRESS
+
     parser = _Parser(prog="multihead", description="Multi-head attention, step by step.")
+    parser.add_argument("--version", action="store_true", default=d(False), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     ex = sub.add_parser(
@@ -65,32 +104,106 @@ def build_parser() -> argparse.ArgumentParser:
         help="walk through every dimension transformation of a real forward pass",
         description="Run MultiHeadAttention on a small example (by default the tutorials': batch 2, "
         "3 tokens, d_in 4, d_out 8, 2 heads, causal, seed 42) and explain every step.",
+        epilog=_limits_help(),
     )
-    cfg = ex.add_argument_group("configuration")
-    cfg.add_argument("--batch", type=_positive("--batch"), default=2, help="batch size B (default 2)")
-    cfg.add_argument("--tokens", type=_positive("--tokens"), default=3, help="query tokens Lq (default 3)")
-    cfg.add_argument("--d-in", type=_positive("--d-in"), default=4, help="input features (default 4)")
-    cfg.add_argument("--d-out", type=_positive("--d-out"), default=8, help="output features = heads x head_dim (default 8)")
-    cfg.add_argument("--heads", type=_positive("--heads"), default=2, help="query heads H (default 2)")
-    cfg.add_argument("--kv-heads", type=_positive("--kv-heads"), default=None, help="key/value heads (GQA; default H)")
-    cfg.add_argument("--keys", type=_positive("--keys"), default=None, help="cross-attention: this many key tokens from a second input")
-    cfg.add_argument("--no-causal", dest="causal", action="store_false", help="no causal mask")
-    cfg.add_argument("--seed", type=_non_negative("--seed"), default=42, help="random seed (default 42)")
-    cfg.add_argument("--dropout", type=_probability, default=0.0, help="attention dropout, run in training mode")
+    cap = LIMITS["text"].tokens, LIMITS["html"].tokens
+    cfg = ex.add_argument_group("configuration (the step-by-step walkthrough)")
+    cfg.add_argument("--batch", type=_positive("--batch"), default=d(2), help=f"batch size B (default 2, at most {MAX_BATCH})")
+    cfg.add_argument("--tokens", type=_positive("--tokens"), default=d(3),
+                     help=f"query tokens Lq (default 3; at most {cap[0]}, {cap[1]} for html/png)")
+    cfg.add_argument("--d-in", type=_positive("--d-in"), default=d(4), help=f"input features (default 4, at most {MAX_FEATURES})")
+    cfg.add_argument("--d-out", type=_positive("--d-out"), default=d(8),
+                     help=f"output features = heads x head_dim (default 8, at most {MAX_FEATURES})")
+    cfg.add_argument("--heads", type=_positive("--heads"), default=d(2), help=f"query heads H (default 2, at most {MAX_HEADS})")
+    cfg.add_argument("--kv-heads", type=_positive("--kv-heads"), default=d(None), help="key/value heads (GQA; default H)")
+    cfg.add_argument("--keys", type=_positive("--keys"), default=d(None),
+                     help=f"cross-attention: this many key tokens from a second input (at most {cap[0]}, {cap[1]} for html/png)")
+    cfg.add_argument("--no-causal", dest="causal", action="store_false", default=d(True), help="no causal mask")
+    cfg.add_argument("--seed", type=_int_in("--seed", 0, _SEEDS - 1, "torch's seed range"), default=d(42),
+                     help="random seed (default 42)")
+    cfg.add_argument("--dropout", type=_probability, default=d(0.0), help="attention dropout, run in training mode")
     out = ex.add_argument_group("output")
-    out.add_argument("--lang", choices=("en", "zh"), default="en", help="language (default en)")
-    out.add_argument("--format", choices=("text", "json", "markdown", "html", "png"), default="text")
-    out.add_argument("--out", default=None, help="write to this file instead of stdout (needed for html/png)")
-    out.add_argument("--values", dest="values", action="store_true", default=True, help="print numbers (default)")
-    out.add_argument("--no-values", dest="values", action="store_false", help="shapes only")
-    out.add_argument("--per-head", action="store_true", help="also run the per-head reference and compare")
-    out.add_argument("--cost", action="store_true", help="FLOPs and bytes of every step")
+    out.add_argument("--lang", choices=("en", "zh"), default=d("en"), help="language (default en; png labels are English)")
+    out.add_argument("--format", choices=("text", "json", "markdown", "html", "png"), default=d("text"))
+    out.add_argument("--out", default=d(None), help="write to this file instead of stdout (needed for html/png; - = stdout)")
+    out.add_argument("--values", dest="values", action="store_true", default=d(True), help="print numbers (default; text/json/markdown)")
+    out.add_argument("--no-values", dest="values", action="store_false", default=d(True), help="shapes only")
+    out.add_argument("--per-head", action="store_true", default=d(False), help="also run the per-head reference and compare (text/json/markdown)")
+    out.add_argument("--cost", action="store_true", default=d(False), help="FLOPs and bytes of every step (text/json/markdown)")
     real = ex.add_argument_group("real model")
-    real.add_argument("--model", choices=("minilm",), default=None, help="explain a pretrained model's heads")
-    real.add_argument("--text", default=None, help="the sentence to run through --model")
-    real.add_argument("--layer", type=_non_negative("--layer"), default=None, help="layer to show (--model; html/png default: the most labelled layer)")
-    real.add_argument("--head", type=_non_negative("--head"), default=None, help="head to show (--model)")
+    real.add_argument("--model", choices=("minilm",), default=d(None), help="explain a pretrained model's heads")
+    real.add_argument("--text", default=d(None), help="the sentence to run through --model")
+    real.add_argument("--layer", type=_non_negative("--layer"), default=d(None), help="layer to show (--model; html/png default: the most labelled layer)")
+    real.add_argument("--head", type=_non_negative("--head"), default=d(None), help="head to show (--model)")
     return parser
+
+
+#: options of the step-by-step walkthrough; --model refuses them
+_WALKTHROUGH = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout",
+                "values", "per_head", "cost")
+#: options of --model alone
+_MODEL = ("text", "layer", "head")
+#: what html and png do not show
+_TEXT_ONLY = ("values", "per_head", "cost")
+
+
+def _flag(dest: str, args) -> str:
+    if dest == "causal":
+        return "--no-causal"
+    if dest == "values":
+        return "--values" if args.values else "--no-values"
+    return "--" + dest.replace("_", "-")
+
+
+def _check_options(args, given: set) -> None:
+    """Refuse, before any work, an option that does not apply to what was asked (rather than
+    ignore it) and a size the format cannot show."""
+    picture = args.format in ("html", "png")
+    if args.model is None:
+        for dest in _MODEL:
+            if dest in given:
+                raise UsageError(f"{_flag(dest, args)} applies to a pretrained model: add --model minilm, or drop it")
+    else:
+        for dest in _WALKTHROUGH:
+            if dest in given:
+                raise UsageError(f"{_flag(dest, args)} belongs to the step-by-step walkthrough, not to --model; drop it")
+    if picture:
+        for dest in _TEXT_ONLY:
+            if dest in given:
+                raise UsageError(f"{_flag(dest, args)} is shown by --format text, markdown and json, "
+                                 f"not by --format {args.format}; drop it")
+    if args.format == "png" and args.lang != "en":
+        raise UsageError(f"--lang {args.lang}: --format png labels in English only (its font has no CJK glyphs); "
+                         "use --format html for the bilingual page")
+    if args.model is None:
+        _check_sizes(args)
+
+
+def _check_sizes(args) -> None:
+    """The example must fit what ``--format`` shows (:data:`multihead.explain.example.LIMITS`)."""
+    limits = LIMITS[args.format]
+    sizes = (
+        ("--batch", args.batch, MAX_BATCH, "every format shows one batch element at a time"),
+        ("--heads", args.heads, MAX_HEADS, "html and png draw a heat map per head"),
+        ("--d-in", args.d_in, MAX_FEATURES, "the weights and every step's values are kept; BERT-base's 768 fits"),
+        ("--d-out", args.d_out, MAX_FEATURES, "the weights and every step's values are kept; BERT-base's 768 fits"),
+        ("--tokens", args.tokens, limits.tokens, limits.why),
+        ("--keys", args.keys, limits.tokens, limits.why),
+    )
+    for flag, value, most, why in sizes:
+        if value is not None and value > most:
+            shows = f"--format {args.format} shows" if flag in ("--tokens", "--keys") else "the walkthrough shows"
+            raise UsageError(f"{flag} {value} is more than {shows}: at most {most} ({why}); "
+                             "see multihead explain --help")
+    keys = args.tokens if args.keys is None else args.keys
+    scores = args.batch * args.heads * args.tokens * keys
+    if scores > limits.scores:
+        of_keys = f"--keys {args.keys}" if args.keys is not None else f"{keys} keys"
+        raise UsageError(
+            f"--batch {args.batch} x --heads {args.heads} x --tokens {args.tokens} x {of_keys} = {scores:,} "
+            f"attention scores per step, more than --format {args.format} shows: at most {limits.scores:,} "
+            f"({limits.why}); lower one of them"
+        )
 
 
 def _explain(args, stdout) -> int:
@@ -108,11 +221,15 @@ def _explain(args, stdout) -> int:
 def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> int:
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
+        if args.version:
+            print(f"multihead {_version()}", file=stdout)
+            return 0
         if args.command is None:
             raise UsageError("choose a command: multihead explain (see multihead --help)")
+        _check_options(args, set(vars(build_parser(defaults=False).parse_args(argv))))
         return _explain(args, stdout)
     except UsageError as e:
         print(f"multihead: error: {e}", file=stderr)

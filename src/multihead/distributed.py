@@ -25,6 +25,11 @@ same work, so it is the default when ``causal=True``. :func:`shard_sequence` and
 :func:`unshard_sequence` produce and invert both layouts; :func:`shard_positions` gives the
 global token positions of a shard (for rotary embeddings).
 
+Before the ring (forward and backward), the ranks exchange a fixed-size descriptor of their
+call in one all_gather and all raise the same ValueError if they disagree (see the agreement
+section below): mismatched shards would otherwise abort a process inside the transport or give
+wrong results silently.
+
 Why not ``torch.distributed.tensor.experimental.context_parallel``: in torch 2.13 it only
 handles the CUDA SDPA kernels (flash, efficient, cuDNN); on CPU, SDPA's
 ``_scaled_dot_product_flash_attention_for_cpu`` has no sharding rule (NotImplementedError), and
@@ -39,18 +44,18 @@ from __future__ import annotations
 
 import datetime
 import numbers
+import struct
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import masks as _masks
 from ._checks import check_qkv, check_scale
+from ._numerics import default_scale
 from .backends.reference import compute_dtype
-from .heads import merge_heads, split_heads
 
 __all__ = [
     "LAYOUTS",
@@ -73,7 +78,8 @@ TILE_SCORES = 1 << 21
 
 
 class RingError(RuntimeError):
-    """A send or receive of the ring failed: a peer rank died, left, or did not answer in time."""
+    """A send or receive of the ring, or its agreement check, failed: a peer rank died, left, or
+    did not answer in time."""
 
 
 # ---------------------------------------------------------------------------------- layouts
@@ -169,7 +175,7 @@ def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "con
 class _Pending:
     """Receives in flight; :meth:`wait` returns the received tensors."""
 
-    def __init__(self, ring: "_Ring", works, sent, received, what: str, step: int):
+    def __init__(self, ring: "_Ring", works, sent, received, what: str, step: Optional[int]):
         self.ring, self.works, self.sent, self.received = ring, works, sent, received
         self.what, self.step = what, step
 
@@ -202,15 +208,36 @@ class _Ring:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
         self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        # for the agreement check: the device that all_gather_object uses on this group ("cpu"
+        # for gloo, "cuda" for NCCL), the same on every rank whatever device its tensors are on
+        pick = getattr(dist.distributed_c10d, "_get_object_coll_device", None)  # private in torch 2.13
+        self.collective_device = pick(self.group) if pick else "cpu"
 
-    def error(self, what: str, step: int, cause: Exception) -> RingError:
+    def error(self, what: str, step: Optional[int], cause: Exception) -> RingError:
+        """``step=None``: the agreement check before the ring, a collective over the group."""
         limit = "the process group's timeout" if self.timeout is None else f"timeout={self.timeout.total_seconds():g} s"
+        if step is None:
+            where = "failed (an all_gather over the group)"
+        else:
+            where = (
+                f"at step {step + 1} of {self.size} failed (send to rank {(self.rank + 1) % self.size}, "
+                f"receive from rank {(self.rank - 1) % self.size})"
+            )
         return RingError(
-            f"ring attention, rank {self.rank} of {self.size}: {what} at step {step + 1} of {self.size} "
-            f"failed (send to rank {(self.rank + 1) % self.size}, receive from rank {(self.rank - 1) % self.size}); "
+            f"ring attention, rank {self.rank} of {self.size}: {what} {where}; "
             f"another rank probably failed, exited or hung (waits are bounded by {limit}): "
             f"check the other ranks' logs. Cause: {cause}"
         )
+
+    def all_gather(self, values: list[int], *, what: str) -> list[list[int]]:
+        """Every rank's ``values`` (equal-length int lists; list index = group rank), one collective."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.collective_device)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        try:
+            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        except RuntimeError as e:
+            raise self.error(what, None, e) from e
+        return torch.stack(_Pending(self, [work], [mine], gathered, what, None).wait()).tolist()
 
     def shift(self, tensors, *, tag: int, what: str, step: int) -> _Pending:
         """Send ``tensors`` to the next rank and receive same-shaped ones from the previous, asynchronously."""
@@ -229,6 +256,147 @@ class _Ring:
 
 _TAG_KV = 0  # k, v, keep
 _TAG_GRAD = 8  # dk, dv travelling home
+
+
+# ---------------------------------------------------------------------------------- agreement
+# Before the ring runs (forward, and again before the backward ring), every rank sends the
+# others a descriptor of its call, one all_gather of a fixed-size int64 tensor, which cannot
+# fail on mismatched sizes the way the ring's sends do. If any field differs, every rank raises
+# the same ValueError. Without the check, shards of different lengths or byte sizes abort a
+# process inside gloo (SIGABRT) and leave its peers with garbage, and dtypes of one byte size
+# (float16 vs bfloat16) or a different causal flag give wrong results on every rank, silently.
+#
+# The descriptor, one int64 per field of _FIELDS, in that order:
+#   0 format     _FORMAT ("RING" and the format version), or _REJECTED from a rank whose own
+#                argument checks failed (it raises its own error; the others raise this one)
+#   1 pass       0 forward, 1 backward (a rank in backward must not meet one in forward)
+#   2-7          B, H, Hkv, Lk, D, Dv of q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)
+#   8 dtype      index in _DTYPES
+#   9 device     the device type's name (e.g. "cpu", "cuda"), ASCII, first 8 bytes, little-endian
+#  10 padding    1 if a key padding tensor travels with the keys, else 0
+#  11 causal     1 or 0
+#  12 layout     index in LAYOUTS with causal masking, -1 without (the layout is then unused)
+#  13 scale      the float64 bits of the scale, as an int64 (compared bit for bit)
+#  14 autograd   1 if this call records the graph for backward (grad mode on and q, k or v
+#                requires grad), else 0; always 1 in the backward pass
+# Lq is not compared: queries never travel, so without causal masking the ranks may hold
+# different numbers of them (with it, Lq == Lk on every rank and Lk is compared).
+_FORMAT = 0x52494E47_0001
+_REJECTED = -_FORMAT
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PASSES = ("forward", "backward")
+
+
+def _pack_name(name: str) -> int:
+    return int.from_bytes(name.encode("ascii", "replace")[:8], "little")
+
+
+def _unpack_name(code: int) -> str:
+    return code.to_bytes(8, "little").rstrip(b"\0").decode("ascii", "replace")
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(code: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", code))[0]
+
+
+_SAME_MODEL = "every rank must run the same attention (the same model and head split)"
+#: (what the value is, how to show it, how to fix a disagreement), one per descriptor field
+_FIELDS = (
+    ("descriptor", hex, "every rank must run the same version of multihead and call ring_attention (and its backward) at the same point of the program"),
+    ("pass", lambda c: _PASSES[c], "backward runs its own ring: every rank must call backward on its share of the output (the same loss), in the same order, before its next ring_attention call"),
+    ("batch size B", str, "every rank must hold the same batch; shard the sequence axis, not the batch"),
+    ("query heads H", str, _SAME_MODEL),
+    ("key/value heads Hkv", str, _SAME_MODEL),
+    ("key/value shard length Lk", str, "every rank's k and v shards must have the same length: cut them with shard_sequence, padding the sequence to a multiple of P (2P for zigzag) and masking the padding with masks.key_padding"),
+    ("head dim D", str, _SAME_MODEL),
+    ("value head dim Dv", str, _SAME_MODEL),
+    ("dtype", lambda c: str(_DTYPES[c]), "cast q, k and v to one dtype on every rank, e.g. .to(torch.bfloat16)"),
+    ("device type", _unpack_name, "put every rank's q, k and v on the same kind of device (each rank its own GPU, or all on CPU)"),
+    ("key padding", lambda c: ("no", "yes")[c], "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding)"),
+    ("causal", lambda c: str(bool(c)), "pass the same causal= on every rank (mask=masks.causal() counts as causal=True)"),
+    ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]), "pass the layout the shards were cut with, the same on every rank"),
+    ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
+    ("autograd", lambda c: ("does not record the graph", "records the graph")[c], "backward is a ring too, so every rank or none must record the graph: run every rank in the same grad mode, with the same inputs requiring grad"),
+)
+_PASS, _CAUSAL, _LAYOUT = 1, 11, 12
+
+
+def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> list[int]:
+    """This call's descriptor (see the table above)."""
+    B, H, _, D = q.shape
+    return [
+        _FORMAT, _PASSES.index(phase), B, H, k.shape[1], k.shape[2], D, v.shape[-1],
+        _DTYPES.index(q.dtype), _pack_name(q.device.type), keep is not None, spec.causal,
+        LAYOUTS.index(spec.layout) if spec.causal else -1, _float_bits(spec.scale), records_graph,
+    ]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _agree(ring: _Ring, descriptor: list[int]) -> None:
+    """Raise the same ValueError on every rank of the ring unless they all sent ``descriptor``'s values."""
+    if ring.size == 1:
+        return
+    phase = _PASSES[descriptor[_PASS]]
+    table = ring.all_gather(descriptor, what=f"the check that the ranks agree (before the {phase} ring)")
+    if descriptor[0] == _REJECTED:
+        return  # this rank raises its own error
+    head = f"ring_attention, rank {ring.rank} of {ring.size}: "
+    rejected = [r for r, row in enumerate(table) if row[0] == _REJECTED]
+    if rejected:
+        raise ValueError(
+            f"{head}{_ranks(rejected)} rejected its arguments, so the ring ran on no rank; "
+            f"the error on {_ranks(rejected)} says what to fix there"
+        )
+    columns = list(zip(*table))
+    differ = [i for i, column in enumerate(columns) if len(set(column)) > 1]
+    if not differ:
+        return
+    for first in (0, _PASS):  # another descriptor format, or forward meeting backward: the rest is noise
+        if first in differ:
+            differ = [first]
+    if _CAUSAL in differ and _LAYOUT in differ:
+        differ.remove(_LAYOUT)
+    lines, odd = [], set()
+    for i in differ:
+        column = columns[i]
+        by_value: dict[int, list[int]] = {}
+        for r, value in enumerate(column):
+            by_value.setdefault(value, []).append(r)
+        common = max(by_value, key=lambda value: (len(by_value[value]), -by_value[value][0]))
+        others = [value for value in by_value if value != common]
+        odd.update(r for value in others for r in by_value[value])
+        name, show, fix = _FIELDS[i]
+        has = "; ".join(f"{_ranks(by_value[value])} {'has' if len(by_value[value]) == 1 else 'have'} {show(value)}" for value in others + [common])
+        lines.append(f"  {name}: {has}. Fix: {fix}.")
+    raise ValueError(
+        f"{head}the ranks disagree, so the ring did not run (it would abort a process or give wrong "
+        f"results); {_ranks(sorted(odd))} differ{'s' if len(odd) == 1 else ''} from the others:\n" + "\n".join(lines)
+    )
+
+
+def _announce_rejection(group, timeout) -> None:
+    """This rank's own argument checks failed: send the others a _REJECTED descriptor so that
+    they raise too instead of waiting for it (best effort; the caller raises its own error)."""
+    try:
+        _check_timeout(timeout)
+    except ValueError:
+        timeout = None
+    try:
+        ring = _Ring(group, timeout)
+    except Exception:  # noqa: BLE001 - no usable group (not initialised, not a member): nobody to tell
+        return
+    if ring.size > 1:
+        try:
+            ring.all_gather([_REJECTED] + [0] * (len(_FIELDS) - 1), what="telling the other ranks that this one rejected its arguments")
+        except RingError:
+            pass
 
 
 # ---------------------------------------------------------------------------------- block math
@@ -375,6 +543,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, keep, out, lse = ctx.saved_tensors
         spec = ctx.spec
         ring = spec.ring
+        _agree(ring, _describe(spec, q, k, v, keep, "backward", True))
         B, H, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         cdt = out.dtype
@@ -435,6 +604,36 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor]]:
     return causal, keep
 
 
+def _check_timeout(timeout) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def _check_call(q, k, v, mask, causal, scale, layout, timeout):
+    """(scale, causal, layout, keep) of a ring_attention call, from this rank's arguments alone."""
+    check_qkv(q, k, v)
+    scale = check_scale(scale, q.shape[-1])
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    _check_timeout(timeout)
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    mask_causal, keep = _split_mask(mask, (B, H, Lq, Lk), q.device)
+    causal = causal or mask_causal
+    layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
+    if causal and Lq != Lk:
+        raise ValueError(
+            f"causal ring attention needs q and k cut from one sequence: got Lq={Lq} queries and "
+            f"Lk={Lk} keys on this rank; shard q, k and v with the same shard_sequence call"
+        )
+    if causal and layout == "zigzag" and Lq % 2:
+        raise ValueError(
+            f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
+            "pad the sequence to a multiple of 2P"
+        )
+    return scale, causal, layout, keep
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -471,40 +670,39 @@ def ring_attention(
         (rows with no visible key give 0). Differentiable: gradients are those of the whole
         sequence, each rank receiving its shard's.
 
-    Every rank must pass shards of the same shape; the sequence length L must be a multiple
+    Every rank must make the same call: keys and values of one shape, dtype and device type,
+    the same heads, head dims, scale, causal flag and layout, key padding on every rank or on
+    none, and the graph recorded for backward on every rank or on none (queries may differ in
+    number without causal masking). One small all_gather checks this before the ring, and
+    again before the backward ring; if any rank differs, every rank raises the same
+    ValueError naming the ranks, the field, their values and the fix (and if one rank's own
+    arguments are rejected, the others raise too). The sequence length L must be a multiple
     of P (2P for zigzag). Computation is in float32 for half inputs.
+
+    Not checked: that the ranks pass the same group and hold shards of one sequence, cut the
+    way ``layout`` says; and, in backward, that every rank runs the backward of the same call
+    when two calls have equal descriptors. A rank that calls backward while another never
+    does waits ``timeout`` seconds, then raises :class:`RingError`.
     """
-    check_qkv(q, k, v)
-    scale = check_scale(scale, q.shape[-1])
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    mask_causal, keep = _split_mask(mask, (B, H, Lq, Lk), q.device)
-    causal = causal or mask_causal
-    layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
-    if causal and Lq != Lk:
-        raise ValueError(
-            f"causal ring attention needs q and k cut from one sequence: got Lq={Lq} queries and "
-            f"Lk={Lk} keys on this rank; shard q, k and v with the same shard_sequence call"
-        )
-    if causal and layout == "zigzag" and Lq % 2:
-        raise ValueError(
-            f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
-            "pad the sequence to a multiple of 2P"
-        )
-    ring = _Ring(group, timeout)
-    return _RingAttention.apply(q, k, v, keep, _Spec(ring, causal, layout, scale))
+    try:  # the checks of this rank's own arguments
+        scale, causal, layout, keep = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+    except (TypeError, ValueError):
+        _announce_rejection(group, timeout)
+        raise
+    spec = _Spec(_Ring(group, timeout), causal, layout, scale)
+    records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
+    return _RingAttention.apply(q, k, v, keep, spec)
 
 
 class ContextParallel(nn.Module):
     """Runs a :class:`multihead.MultiHeadAttention` on a sequence sharded across ``group``.
 
-    The wrapped module's projections are applied to this rank's tokens and its attention step
-    becomes :func:`ring_attention`; the module's ``causal`` setting is honoured (zigzag layout
-    by default). Parameters are shared with the wrapped module, not copied.
+    The module's own steps run on this rank's tokens (its projections and head split, RoPE at
+    the shard's global positions from :func:`shard_positions`, the head merge and output
+    projection); only its attention step becomes :func:`ring_attention`. The module's
+    ``causal`` setting is honoured (zigzag layout by default). Parameters are shared with the
+    wrapped module, not copied.
 
     Each rank's parameter gradients are its shard's share: sum them over the group
     (``torch.distributed.all_reduce(p.grad, group=group)``) to get the gradients of the whole
@@ -533,22 +731,29 @@ class ContextParallel(nn.Module):
         (key/value default to query). mask: None or ``masks.key_padding`` of the (B, Lk) shard.
         Returns (B, Lq, d_out), this rank's rows of the module's output on the whole sequence."""
         mha, cfg = self.mha, self.mha.config
-        key = query if key is None else key
-        value = key if value is None else value
+        key, value = mha._defaults(query, key, value)
         mha._check_inputs(query, key, value)
         if mha.training and cfg.dropout > 0:
             raise ValueError(
                 f"the module has dropout={cfg.dropout}, which ring attention does not apply; "
                 "call mha.eval() or build it with dropout=0"
             )
-        q = split_heads(F.linear(query, mha.q_proj.weight, mha.q_proj.bias), cfg.num_heads, role="Q")
-        k = split_heads(F.linear(key, mha.k_proj.weight, mha.k_proj.bias), cfg.num_kv_heads, role="K")
-        v = split_heads(F.linear(value, mha.v_proj.weight, mha.v_proj.bias), cfg.num_kv_heads, role="V")
+        layout = self.layout or ("zigzag" if cfg.causal else "contiguous")
+        q, k, v = mha._project(query, key, value, None)
+        if mha.rope is not None:  # self-attention (checked above): the queries' positions are the keys'
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "ContextParallel needs torch.distributed: call torch.distributed.init_process_group"
+                    "(backend='gloo' or 'nccl') first, e.g. in a script launched with torchrun"
+                )
+            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+            positions = shard_positions(rank, world, query.shape[1] * world, layout, device=query.device)
+            q, k = mha._rotate(q, k, positions, None)
         o = ring_attention(
-            q, k, v, mask, causal=cfg.causal, scale=cfg.head_dim ** -0.5, group=self.group,
-            layout=self.layout, timeout=self.timeout,
+            q, k, v, mask, causal=cfg.causal, scale=default_scale(cfg.head_dim), group=self.group,
+            layout=layout, timeout=self.timeout,
         )
-        return F.linear(merge_heads(o), mha.out_proj.weight, mha.out_proj.bias)
+        return mha._merge_output(o, None)
 
 
 def context_parallel(mha: nn.Module, group=None, *, layout: Optional[str] = None, timeout: Optional[float] = None) -> ContextParallel:

@@ -6,6 +6,7 @@ Dv value head dim.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -13,8 +14,10 @@ import torch
 from . import backends as _backends
 from . import trace as _trace
 from ._checks import check_dropout, check_indices, check_qkv, check_scale
+from ._numerics import autocast_inputs, outside_autocast
 from .backends import chunked as _chunked
 from .backends import reference as _reference
+from .backends import sdpa as _sdpa
 from .heads import repeat_kv
 from .masks import as_mask
 
@@ -63,21 +66,63 @@ def attention(
         weights = softmax((q @ k.transpose(-2, -1)) * scale + bias, masked to -inf where not keep)
         out = dropout(weights) @ v
     """
+    q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
-    chosen = _backends.resolve(backend, _backends.Call(q, k, v, m, dropout_p))
+    return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
+
+
+def attend(q, k, v, mask, *, scale: float, dropout_p: float, backend: str = "auto") -> torch.Tensor:
+    """The trusted core behind :func:`attention` and the module: resolve the backend and run it.
+
+    Arguments arrive validated (``mask`` a Mask or None, ``scale`` a float) and, inside an
+    autocast region, already in autocast's dtype (:func:`multihead._numerics.autocast_inputs`);
+    the backend itself runs with autocast off, so that it computes as it documents (scores and
+    softmax in float32 for half inputs, biases at their own precision) in and out of autocast.
+    """
+    chosen = _backends.resolve(backend, _backends.Call(q, k, v, mask, dropout_p))
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend=chosen.name)
-    return chosen.fn(q, k, v, m, scale=scale, dropout_p=dropout_p)
+    with outside_autocast(q.device.type):
+        return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+
+
+_warned_dense_weights = False
+
+
+def warn_once_if_dense_weights_are_large(q: torch.Tensor, k: torch.Tensor) -> None:
+    """One warning per process when returning weights materialises more float32 scores than
+    ``auto`` allows itself for a dense mask (``backends.sdpa.DENSE_MASK_BUDGET_BYTES``)."""
+    global _warned_dense_weights
+    need = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+    if _warned_dense_weights or need <= _sdpa.DENSE_MASK_BUDGET_BYTES:
+        return
+    _warned_dense_weights = True
+    warnings.warn(
+        f"returning attention weights (return_weights, output_attentions or need_weights=True) runs the reference "
+        f"backend, which builds the full (B, H, Lq, Lk) scores: {need / 2**20:.0f} MiB here, O(Lq·Lk) "
+        "time and memory instead of the tiled backends; at this length drop the weights, or take a slice "
+        "with multihead.attention_weights(q, k, heads=..., rows=...). Shown once per process.",
+        UserWarning, stacklevel=2,
+    )
 
 
 def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
     """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
+    q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
+    return attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
+
+
+def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tuple:
+    """The trusted core behind :func:`attention_with_weights` and ``return_weights=True``:
+    the reference backend, which alone returns the weights it applied. Inputs as for :func:`attend`."""
+    warn_once_if_dense_weights_are_large(q, k)
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend="reference")
-    return _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
+    with outside_autocast(q.device.type):
+        return _reference.attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
 def attention_weights(
@@ -95,7 +140,8 @@ def attention_weights(
 
     ``heads`` (query head indices) and/or ``rows`` (query positions), as lists of ints or 1-D
     integer tensors, select a slice (B, len(heads), len(rows), Lk) computed from the chunked
-    backend's log-sum-exp, without the full (H, Lq, Lk) tensor: use them at long L.
+    backend's log-sum-exp, without the full (H, Lq, Lk) tensor: use them at long L. An empty
+    list selects nothing: ``heads=[]`` gives (B, 0, Lq, Lk), ``rows=[]`` (B, H, 0, Lk).
     """
     check_qkv(q, k)
     scale = check_scale(scale, q.shape[-1])
@@ -105,17 +151,24 @@ def attention_weights(
     if heads is not None or rows is not None:
         heads = check_indices(heads, q.shape[1], "heads", "query head")
         rows = check_indices(rows, q.shape[2], "rows", "query position")
+        if not heads or not rows:  # nothing selected: the empty (B, len(heads), len(rows), Lk), like q[:, []]
+            return q.new_zeros(q.shape[0], len(heads), len(rows), k.shape[2])
         return _chunked.selected_weights(q, k, m, scale=scale, heads=heads, rows=rows)
     k = repeat_kv(k, q.shape[1] // k.shape[1])
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
 
 
 def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False) -> _backends.Dispatch:
-    """Which backend ``backend="auto"`` would run for this call, and why each other was refused.
+    """Which backend ``backend="auto"`` would run for this call, how, and why each other was refused.
 
     ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).
-    The thresholds are module settings: ``multihead.backends.sdpa.DENSE_MASK_BUDGET_BYTES`` and
-    ``multihead.backends.chunked.AUTO_MIN_SCORES``.
+    ``Dispatch.how`` says how the chosen backend runs the call where it can tell: for ``sdpa``,
+    the kernel torch will run (its math kernel, with its reason and dense scores, or a fused one)
+    and the mask tensor it gets (a bias stays float32 beside float16/bfloat16 inputs).
+    The thresholds are module settings: ``multihead.backends.sdpa.DENSE_MASK_BUDGET_BYTES`` (the
+    dense mask and, when torch would run its math kernel, its scores) and
+    ``multihead.backends.chunked.AUTO_MIN_SCORES``. The call is planned, not run: nothing of
+    size (Lq, Lk) is built.
     """
     m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
     return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights)))

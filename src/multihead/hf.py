@@ -16,11 +16,18 @@ What stays outside the attention module, as in the model itself:
 
 * BERT: the residual and ``LayerNorm`` of ``BertSelfOutput`` (``LayerNorm(dense(attn) + x)``):
   :class:`MultiHeadAttention` returns ``dense(attn)``, the input of that residual.
-* Llama: the rotary position embedding (RoPE), applied by ``LlamaAttention`` to Q and K after the
-  projections. ``MultiHeadAttention`` has no RoPE, so the loaded module equals ``LlamaAttention``
-  with the rotation at angle 0 (cos = 1, sin = 0); for real positions use the registered
-  ``attn_implementation="multihead"`` (:mod:`multihead.integrations.transformers`) instead,
-  which keeps the model's own RoPE.
+
+What comes along:
+
+* Llama: the rotary position embedding (RoPE), which ``LlamaAttention`` applies to Q and K after
+  the projections, with the cos/sin its model passes in. The loaded module has ``rope=True``:
+  a :class:`multihead.rope.RoPE` with the base and the scaling of the attention's config
+  (``config.rope_parameters`` in transformers 5, ``rope_theta`` and ``rope_scaling`` in 4.x).
+  Scaling types ("rope_type"): "default", "linear" and "llama3"; any other (dynamic, yarn,
+  longrope, ...) is refused by name, and so is a partial rotation (``partial_rotary_factor``).
+  Positions start at 0, or at the cache length with a :class:`multihead.KVCache`, as in the
+  model's own generation. Transformers computes its cos/sin in float32 whatever the model's
+  dtype; multihead in float64, so the two agree to float32 precision.
 
 Weights are ``nn.Linear`` weights (out, in) in both libraries, so they are copied as they are.
 """
@@ -34,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_positive_int
+from .rope import ROPE_TYPES, RoPE, RoPEScaling
 
 __all__ = ["from_hf", "from_bert_state_dict", "bert_layer_keys"]
 
@@ -72,7 +80,8 @@ def _copy(lin: nn.Linear, weight: torch.Tensor, bias: Optional[torch.Tensor], na
                 lin.bias.copy_(bias)
 
 
-def _build(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dropout: float, training: bool):
+def _build(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dropout: float, training: bool,
+           rope: Optional[RoPE] = None):
     """A MultiHeadAttention holding copies of ``linears`` = {"q_proj": (weight, bias), ...}."""
     from .module import MultiHeadAttention
 
@@ -92,7 +101,7 @@ def _build(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dr
     has_bias = any(b is not None for _, b in linears.values())
     mha = MultiHeadAttention(
         d_in, num_heads, d_out, num_kv_heads=num_kv_heads, bias=has_bias, dropout=dropout, causal=causal,
-        device=wq.device, dtype=wq.dtype,
+        rope=rope if rope is not None else False, device=wq.device, dtype=wq.dtype,
     )
     for name, (w, b) in linears.items():
         _copy(getattr(mha, name), w, b, name)
@@ -116,14 +125,21 @@ def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None):
 
     Returns:
         A module computing ``out_proj(attention(x))``: (B, L, hidden) -> (B, L, hidden). For BERT
-        that is the input of ``BertSelfOutput``'s residual + LayerNorm; for Llama it equals
-        ``LlamaAttention`` with RoPE at angle 0 (see the module docstring). Causality, dropout and
-        training mode are taken from ``module``.
+        that is the input of ``BertSelfOutput``'s residual + LayerNorm; for Llama it is
+        ``LlamaAttention`` with its rotary embedding (``rope=True``, the config's ``rope_theta``
+        and ``rope_scaling``; see the module docstring). Causality, dropout and training mode are
+        taken from ``module``.
 
     Raises:
         TypeError: ``module`` is not one of the supported layouts.
-        ValueError: sizes the module cannot express (hidden size != heads x head dim, a scaling
-            other than 1/√D).
+        ValueError: what the module cannot express: hidden size != heads x head dim, a scaling
+            other than 1/√D, a rope type other than default, linear or llama3, a partial
+            rotation, per-head norms of q and k (``q_norm``/``k_norm``), or a Llama-family
+            attention without the ``config`` its RoPE is read from.
+
+    Example::
+
+        mha = MultiHeadAttention.from_hf(model.model.layers[0].self_attn)   # rope=True, GQA kept
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_hf takes a torch.nn.Module, got {type(module).__name__}; pass {_SUPPORTED}")
@@ -187,6 +203,14 @@ def _from_llama(module: nn.Module):
             f"q_proj has {q_out} and k_proj {kv_out} outputs, not multiples of head_dim={head_dim}"
         )
     _check_scaling(module, head_dim)
+    norms = [n for n in ("q_norm", "k_norm") if isinstance(getattr(module, n, None), nn.Module)]
+    if norms:
+        raise ValueError(
+            f"{type(module).__name__} normalises each head of q and k ({', '.join(norms)}) before RoPE, which "
+            "MultiHeadAttention does not; run the model with attn_implementation=\"multihead\" "
+            "(multihead.integrations.transformers) instead"
+        )
+    rope = _rope_from_config(module, head_dim)
     linears = {
         "q_proj": _linear_pair(module.q_proj),
         "k_proj": _linear_pair(module.k_proj),
@@ -195,7 +219,68 @@ def _from_llama(module: nn.Module):
     }
     dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
     return _build(linears, num_heads=q_out // head_dim, num_kv_heads=kv_out // head_dim,
-                  causal=bool(getattr(module, "is_causal", True)), dropout=dropout, training=module.training)
+                  causal=bool(getattr(module, "is_causal", True)), dropout=dropout, training=module.training,
+                  rope=rope)
+
+
+def _rope_parameters(module: nn.Module) -> dict:
+    """The rotary embedding's parameters from ``module.config``, in transformers 5's spelling
+    (``rope_parameters``: rope_type, rope_theta, factor, ...) whichever version wrote the config:
+    transformers 4.x keeps ``rope_theta`` and ``rope_scaling`` (None, or with "rope_type" or the
+    older "type") on the config itself."""
+    name = type(module).__name__
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(
+            f"{name} has no .config, where from_hf reads its rotary embedding (rope_theta, rope_scaling); "
+            "pass the attention of a transformers model, e.g. model.model.layers[0].self_attn"
+        )
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # transformers 4.x
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", None))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if params["rope_type"] == "llama3":  # transformers fills it in the same way
+        params.setdefault("original_max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    if params.get("rope_theta") is None:
+        raise ValueError(
+            f"{name}.config has no rope_theta (rope parameters: {params}); from_hf needs the RoPE base"
+        )
+    return params
+
+
+def _rope_from_config(module: nn.Module, head_dim: int) -> RoPE:
+    """The :class:`RoPE` of a Llama-family attention: its config's base and scaling rule."""
+    name = type(module).__name__
+    params = _rope_parameters(module)
+    rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"{name} uses rope_type {rope_type!r}, which from_hf does not support (supported: "
+            f"{', '.join(ROPE_TYPES)}); run the model with attn_implementation=\"multihead\" "
+            "(multihead.integrations.transformers), which keeps the model's own RoPE"
+        )
+    partial = params["partial_rotary_factor"]
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(
+            f"{name} rotates only part of each head (partial_rotary_factor={partial}); MultiHeadAttention's "
+            "RoPE rotates the whole head dim"
+        )
+
+    def need(key):
+        if params.get(key) is None:
+            raise ValueError(f"{name}.config's rope_type {rope_type!r} needs {key}, which it lacks ({params})")
+        return params[key]
+
+    scaling = None
+    if rope_type == "linear":
+        scaling = RoPEScaling("linear", need("factor"))
+    elif rope_type == "llama3":
+        scaling = RoPEScaling("llama3", need("factor"), need("low_freq_factor"), need("high_freq_factor"),
+                              need("original_max_position_embeddings"))
+    return RoPE(head_dim, params["rope_theta"], scaling=scaling)
 
 
 # ---------------------------------------------------------------------------- state dicts

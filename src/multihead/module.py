@@ -3,7 +3,7 @@
 Data flow of ``mha(x)`` (self-attention), with the step names the trace prints::
 
     x (B, L, d_in)
-      -> project Q, K, V      one product with [W_q; W_k; W_v]   (B, L, d_out) and 2 x (B, L, Hkv*D)
+      -> project Q, K, V      q_proj, k_proj, v_proj              (B, L, d_out) and 2 x (B, L, Hkv*D)
       -> split heads          'b t (h d) -> b t h d'  (a view)    (B, L, H, D)
       -> move heads forward   'b t h d -> b h t d'    (a view)    (B, H, L, D)
       -> rotary position embedding  (rope=True) q, k rotated by their positions
@@ -12,6 +12,19 @@ Data flow of ``mha(x)`` (self-attention), with the step names the trace prints::
       -> move heads back      'b h t d -> b t h d'                (B, L, H, D)
       -> merge heads          'b t h d -> b t (h d)'              (B, L, d_out)
       -> output projection    W_O                                 (B, L, d_out)
+
+The projections are the submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, called on
+every forward (three products, not one with [W_q; W_k; W_v]): they are the single source of
+truth, so a weight changed in any way (in place, through ``.data`` or a numpy view, by an
+optimiser, a parametrization or an adapter) is the weight the next call uses, and nothing
+derived from the weights is kept between calls. The seeds' identity "one product with the
+stacked [W_q; W_k; W_v] equals the three separate products" is checked on the real values
+when a trace is recording (the "project Q/K/V" steps).
+
+``forward`` is the public edge (defaults, input, cache and mask checks); the steps after it are
+small methods of a trusted core, in data-flow order (``_project``, ``_rotate``,
+``_write_cache``, ``_attend``, ``_merge_output``), which :class:`multihead.distributed.ContextParallel`
+calls too, swapping only the attention step for the ring.
 
 Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim.
 """
@@ -24,11 +37,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import backends as _backends
+from . import functional as _functional
 from . import masks as _masks
 from . import trace as _trace
 from ._checks import check_module_inputs
-from .backends import reference as _reference
+from ._numerics import default_scale
+from .integrations.torch_mha import load_torch_state_dict
 from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
@@ -48,7 +62,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: H, the number of query heads.
         d_out: H * head_dim, the size of the output (default ``d_in``).
         num_kv_heads: Hkv, key/value heads (default H). Hkv < H is grouped-query attention.
-        kdim, vdim: feature sizes of the key / value inputs (default ``d_in`` / ``kdim``).
+        kdim: feature size of the key input (default ``d_in``).
+        vdim: feature size of the value input (default ``kdim``).
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights, applied in training only.
         causal: apply a bottom-right aligned causal mask (see :func:`multihead.masks.causal`).
@@ -102,7 +117,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.vdim, cfg.kv_dim, bias=cfg.bias, **factory)
         self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
         self._causal_mask = _masks.causal() if cfg.causal else None
-        self._fused_cache: dict = {}
+        # an nn.MultiheadAttention state_dict (in_proj_weight, ...) loads too
+        self.register_load_state_dict_pre_hook(load_torch_state_dict)
 
     # ------------------------------------------------------------------ settings
     @property
@@ -129,65 +145,34 @@ class MultiHeadAttention(nn.Module):
             parts.append(f"rope_base={c.rope_base:g}")
         return ", ".join(parts)
 
-    # ------------------------------------------------------------------ projections
-    def _fused(self, names: tuple) -> tuple:
-        """Concatenated weight and bias of the named projections.
-
-        With autograd recording, they are concatenated on each call (the backward then splits
-        the gradient). Otherwise the concatenation is cached and rebuilt only when a weight
-        changes (its storage or its in-place version counter).
-        """
-        linears = [getattr(self, n) for n in names]
-        tensors = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return (
-                torch.cat([lin.weight for lin in linears]),
-                torch.cat([lin.bias for lin in linears]) if self.config.bias else None,
-            )
-        # storage and in-place version of each tensor; dtype and device of the first (a moved or
-        # converted tensor gets new storage, so its data_ptr changes too)
-        key = (tensors[0].dtype, tensors[0].device, *[(t.data_ptr(), t._version) for t in tensors])
-        hit = self._fused_cache.get(names)
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-        with torch.no_grad():
-            w = torch.cat([lin.weight for lin in linears])
-            b = torch.cat([lin.bias for lin in linears]) if self.config.bias else None
-        self._fused_cache[names] = (key, w, b)
-        return w, b
-
-    def _project(self, query, key, value, tr):
-        """Q (B, Lq, d_out), K and V (B, Lk, Hkv*D): one product for self-attention,
-        one for K and V when they share an input."""
+    # ------------------------------------------------------------------ the edge
+    def _defaults(self, query, key, value) -> tuple:
+        """key defaults to query, value to key (when the feature sizes allow it)."""
         cfg = self.config
-        sizes = (cfg.d_out, cfg.kv_dim, cfg.kv_dim)
-        if key is query and value is query:
-            w, b = self._fused(("q_proj", "k_proj", "v_proj"))
-            q, k, v = F.linear(query, w, b).split(sizes, dim=-1)
-            fused = {"Q": _FUSED_QKV, "K": _FUSED_QKV, "V": _FUSED_QKV}
-        else:
-            q = F.linear(query, self.q_proj.weight, self.q_proj.bias)
-            if value is key and cfg.kdim == cfg.vdim:
-                w, b = self._fused(("k_proj", "v_proj"))
-                k, v = F.linear(key, w, b).split(sizes[1:], dim=-1)
-                fused = {"K": _FUSED_KV, "V": _FUSED_KV}
-            else:
-                k = F.linear(key, self.k_proj.weight, self.k_proj.bias)
-                v = F.linear(value, self.v_proj.weight, self.v_proj.bias)
-                fused = {}
-        if tr is not None:
-            for name, t, lin, src in (("Q", q, self.q_proj, query), ("K", k, self.k_proj, key), ("V", v, self.v_proj, value)):
-                checks = {}
-                note = fused.get(name, "")
-                if note:  # the seeds' claim: one product with stacked weights = separate products
-                    separate = F.linear(src, lin.weight, lin.bias)
-                    checks["equals its own separate product"] = torch.allclose(t, separate, rtol=1e-4, atol=1e-5)
-                tr.record(f"project {name}", t, None, ("b", "t", "d_out" if name == "Q" else "d_kv"), checks=checks, note=note)
-        return q, k, v
+        if key is None:
+            if cfg.kdim != cfg.d_in:
+                raise ValueError(
+                    f"key is required: kdim={cfg.kdim} differs from d_in={cfg.d_in}, so the query cannot be its own key"
+                )
+            key = query
+        if value is None:
+            if cfg.vdim != cfg.kdim:
+                raise ValueError(
+                    f"value is required: vdim={cfg.vdim} differs from kdim={cfg.kdim}; call mha(query, key, value)"
+                )
+            value = key
+        return key, value
 
-    # ------------------------------------------------------------------ forward
-    def _check_inputs(self, query, key, value):
-        check_module_inputs(self.config, self.q_proj.weight, query, key, value)
+    def _weights_like(self, query: torch.Tensor) -> torch.Tensor:
+        """A tensor with the projections' dtype and device: q_proj's weight, without evaluating a
+        parametrization (its first parameter then), or ``query`` for a q_proj without parameters."""
+        w = self.q_proj._parameters.get("weight")
+        if w is None:
+            w = next(self.q_proj.parameters(), query)
+        return w
+
+    def _check_inputs(self, query, key, value) -> None:
+        check_module_inputs(self.config, self._weights_like(query), query, key, value)
         if self.rope is not None and key is not query:
             raise ValueError(
                 "this module has rope=True, which is for self-attention: query and key positions "
@@ -207,6 +192,16 @@ class MultiHeadAttention(nn.Module):
                 "cache= appends tokens that must not see later ones, which needs a causal module; "
                 "build it with causal=True"
             )
+
+    def _mask(self, mask, batch: int, lq: int, lk: int, device):
+        """The call's mask combined with the module's causal mask, checked against (B, H, Lq, Lk)."""
+        m = _masks.as_mask(mask)
+        # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
+        if self._causal_mask is not None and (m is not None or lq > 1):
+            m = self._causal_mask if m is None else self._causal_mask & m
+        if m is not None:
+            m.check((batch, self.config.num_heads, lq, lk), device)
+        return m
 
     def forward(
         self,
@@ -238,72 +233,110 @@ class MultiHeadAttention(nn.Module):
         Returns:
             (B, Lq, d_out), or ``(out, weights)``.
         """
-        cfg = self.config
-        if key is None:
-            if cfg.kdim != cfg.d_in:
-                raise ValueError(
-                    f"key is required: kdim={cfg.kdim} differs from d_in={cfg.d_in}, so the query cannot be its own key"
-                )
-            key = query
-        if value is None:
-            if cfg.vdim != cfg.kdim:
-                raise ValueError(
-                    f"value is required: vdim={cfg.vdim} differs from kdim={cfg.kdim}; call mha(query, key, value)"
-                )
-            value = key
+        key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
         offset = 0
         if cache is not None:
             self._check_cache(cache, query, key, value)
             offset = cache.length
+        m = self._mask(mask, query.shape[0], query.shape[1], offset + key.shape[1], query.device)
         tr = _trace.current()
         if tr is not None:
-            tr.set_config(**{k: v for k, v in cfg.to_dict().items()}, head_dim=cfg.head_dim)
+            tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
             tr.record("input", query, None, ("b", "t", "d_in"))
-
         q, k, v = self._project(query, key, value, tr)
-        q = split_heads(q, cfg.num_heads, role="Q")
-        k = split_heads(k, cfg.num_kv_heads, role="K")
-        v = split_heads(v, cfg.num_kv_heads, role="V")
         if self.rope is not None:
-            q, k = self.rope(q, offset), self.rope(k, offset)
-            if tr is not None:
-                note = f"positions {offset}..{offset + q.shape[2] - 1}, base {self.rope.base:g}, rotate-half layout"
-                tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
-                tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
+            q, k = self._rotate(q, k, offset, tr)
         if cache is not None:
-            k, v = cache.append(k, v)
-            if tr is not None:
-                note = f"{cache.length} of max_len={cache.max_len} tokens cached; {cfg.num_kv_heads} kv heads"
-                tr.record("append to the cache", k, None, ("b", "h", "t", "d"), role="K", note=note)
-                tr.record("append to the cache", v, None, ("b", "h", "t", "d"), role="V", note=note)
+            k, v = self._write_cache(cache, k, v, tr)
+        o, weights = self._attend(q, k, v, m, return_weights, tr)
+        out = self._merge_output(o, tr)
+        return (out, weights) if return_weights else out
 
-        m = _masks.as_mask(mask)
-        # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
-        if self._causal_mask is not None and (m is not None or q.shape[2] > 1):
-            m = self._causal_mask if m is None else self._causal_mask & m
-        dropout_p = cfg.dropout if self.training else 0.0
-        shape = (q.shape[0], cfg.num_heads, q.shape[2], k.shape[2])
-        if m is not None:
-            m.check(shape, q.device)
-        scale = cfg.head_dim ** -0.5
+    # ------------------------------------------------------------------ the core (trusted inputs)
+    def _project(self, query, key, value, tr) -> tuple:
+        """Q (B, H, Lq, D), K (B, Hkv, Lk, D), V (B, Hkv, Lk, Dv): the projections, then the head split.
 
-        weights = None
-        if return_weights:
-            if tr is not None:
-                tr.set_config(backend="reference")
-            o, weights = _reference.attend(q, k, v, m, scale=scale, dropout_p=dropout_p)
+        The projections are the submodules' own calls (``self.q_proj(query)``, ...), so their
+        current weights, parametrizations, hooks and replacements are what runs: nothing is cached.
+        """
+        cfg = self.config
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if tr is not None:
+            self._record_projections(tr, (q, k, v), (query, key, value))
+        return (
+            split_heads(q, cfg.num_heads, role="Q"),
+            split_heads(k, cfg.num_kv_heads, role="K"),
+            split_heads(v, cfg.num_kv_heads, role="V"),
+        )
+
+    def _record_projections(self, tr, outs: tuple, inputs: tuple) -> None:
+        """Trace the three projections, with the seeds' claim checked on the real values: when
+        the inputs are shared, one product with the stacked weights [W_q; W_k; W_v] (or
+        [W_k; W_v]) gives the same Q, K, V as the separate products the module computed."""
+        query, key, value = inputs
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        if key is query and value is query:
+            stacked, note = (0, 1, 2), _FUSED_QKV
+        elif value is key and self.config.kdim == self.config.vdim:
+            stacked, note = (1, 2), _FUSED_KV
         else:
-            chosen = _backends.resolve(cfg.backend, _backends.Call(q, k, v, m, dropout_p))
-            if tr is not None:
-                tr.set_config(backend=chosen.name)
-            o = chosen.fn(q, k, v, m, scale=scale, dropout_p=dropout_p)
+            stacked, note = (), ""
+        if not all(isinstance(linears[i], nn.Linear) for i in stacked):
+            stacked, note = (), ""  # a replaced projection (an adapter, ...) is no longer one matrix
+        fused = {}
+        if stacked:
+            with torch.no_grad():
+                ws = [linears[i].weight for i in stacked]
+                bias = torch.cat([linears[i].bias for i in stacked]) if self.config.bias else None
+                parts = F.linear(inputs[stacked[0]], torch.cat(ws), bias).split([w.shape[0] for w in ws], dim=-1)
+            fused = dict(zip(stacked, parts))
+        for i, (name, t) in enumerate(zip("QKV", outs)):
+            checks = {}
+            if i in fused:
+                checks["equals its own separate product"] = torch.allclose(fused[i], t, rtol=1e-4, atol=1e-5)
+            tr.record(f"project {name}", t, None, ("b", "t", "d_out" if name == "Q" else "d_kv"),
+                      checks=checks, note=note if i in fused else "")
 
-        o = merge_heads(o)
-        out = F.linear(o, self.out_proj.weight, self.out_proj.bias)
+    def _rotate(self, q, k, positions, tr) -> tuple:
+        """q, k rotated (RoPE) for ``positions``: an int offset (tokens at offset, offset + 1, ...)
+        or a (L,) tensor of global positions (a context-parallel shard)."""
+        if isinstance(positions, torch.Tensor):
+            q, k = self.rope(q, positions=positions), self.rope(k, positions=positions)
+            where = f"global positions of this shard ({positions.numel()} tokens)"
+        else:
+            q, k = self.rope(q, positions), self.rope(k, positions)
+            where = f"positions {positions}..{positions + q.shape[2] - 1}"
+        if tr is not None:
+            note = f"{where}, base {self.rope.base:g}, rotate-half layout"
+            tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
+            tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
+        return q, k
+
+    def _write_cache(self, cache: KVCache, k, v, tr) -> tuple:
+        """k, v appended to ``cache``; returns every cached key (B, Hkv, Lk, D) and value."""
+        k, v = cache.append(k, v)
+        if tr is not None:
+            note = f"{cache.length} of max_len={cache.max_len} tokens cached; {self.config.num_kv_heads} kv heads"
+            tr.record("append to the cache", k, None, ("b", "h", "t", "d"), role="K", note=note)
+            tr.record("append to the cache", v, None, ("b", "h", "t", "d"), role="V", note=note)
+        return k, v
+
+    def _attend(self, q, k, v, m, return_weights: bool, tr) -> tuple:
+        """(out (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None) for a checked mask ``m``."""
+        cfg = self.config
+        dropout_p = cfg.dropout if self.training else 0.0
+        scale = default_scale(cfg.head_dim)
+        if return_weights:
+            return _functional.attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
+        return _functional.attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=cfg.backend), None
+
+    def _merge_output(self, o, tr) -> torch.Tensor:
+        """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
+        out = self.out_proj(merge_heads(o))
         if tr is not None:
             tr.record("output projection", out, None, ("b", "t", "d_out"), note="W_O mixes the heads")
-        return (out, weights) if return_weights else out
+        return out
 
     # ------------------------------------------------------------------ conversions
     def to_per_head(self):

@@ -16,6 +16,12 @@ coordinate i with coordinate i + D/2 ("rotate half")::
 so weights trained with that layout load here unchanged. (The RoFormer paper pairs neighbours
 2i and 2i+1 instead; the two layouts differ by a fixed permutation of the projection rows.)
 
+A model stretched to a longer context than it was trained on rescales the frequencies
+(:class:`RoPEScaling`): "linear" divides every theta_i by a factor (position p turns as p / factor
+did), "llama3" (Llama 3.1) divides only the slow pairs and blends the middle band. Both keep
+the rotation itself, so the rotated vectors keep their lengths; scalings that also rescale
+cos/sin (an attention factor, as YaRN and LongRoPE do) are not implemented here.
+
 Legend: B batch, H heads, L tokens, D head dim (even).
 """
 
@@ -23,12 +29,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ._checks import check_positive_int, check_tensor
 
-__all__ = ["RoPE", "rotate_half"]
+__all__ = ["RoPE", "RoPEScaling", "rotate_half", "ROPE_TYPES"]
+
+#: The frequency rules RoPE implements, named as Hugging Face configs name them (``rope_type``):
+#: "default" is no :class:`RoPEScaling`; the others are its ``kind``.
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -46,49 +58,167 @@ def check_rope_base(base) -> float:
     return base
 
 
+def _check_positions(positions, length: int) -> None:
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer torch.Tensor, got {getattr(positions, 'dtype', type(positions).__name__)}")
+    if tuple(positions.shape) != (length,):
+        raise ValueError(f"positions must have shape (L,) = ({length},), one per token, got {tuple(positions.shape)}")
+    if length and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+
+
+def _check_factor(value, name: str, kind: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"RoPEScaling {kind!r} needs {name} as a number, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"RoPEScaling {kind!r} needs {name} > 0 and finite, got {value}")
+    return value
+
+
+@dataclass(frozen=True, repr=False)
+class RoPEScaling:
+    """A rule that rescales RoPE's frequencies theta_i, for a model stretched beyond the context
+    it was first trained on. Both rules are Hugging Face's ``rope_scaling`` types of that name.
+
+    ``RoPEScaling("linear", factor)``: theta_i / factor for every pair (position interpolation).
+
+    ``RoPEScaling("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``
+    (Llama 3.1), by each pair's wavelength lambda_i = 2 pi / theta_i, with L0 the original context::
+
+        lambda_i < L0 / high_freq_factor   theta_i             (fast pairs: unchanged)
+        lambda_i > L0 / low_freq_factor    theta_i / factor    (slow pairs: as "linear")
+        otherwise                          (1 - s) theta_i / factor + s theta_i,
+                                           s = (L0 / lambda_i - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+    Example::
+
+        rope = RoPE(128, 500000.0, scaling=RoPEScaling("llama3", 8.0, 1.0, 4.0, 8192))
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: Optional[float] = None
+    high_freq_factor: Optional[float] = None
+    original_max_position_embeddings: Optional[int] = None
+
+    def __post_init__(self):
+        kinds = ROPE_TYPES[1:]
+        if self.kind not in kinds:
+            raise ValueError(
+                f"RoPEScaling kind must be one of {list(kinds)}, got {self.kind!r}; for no scaling pass scaling=None"
+            )
+        set_ = object.__setattr__
+        set_(self, "factor", _check_factor(self.factor, "factor", self.kind))
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.kind == "linear":
+            given = [n for n in llama3 if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"RoPEScaling 'linear' takes only factor; {', '.join(given)} belong to 'llama3'")
+            return
+        for name in llama3[:2]:
+            set_(self, name, _check_factor(getattr(self, name), name, "llama3"))
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RoPEScaling 'llama3' needs high_freq_factor > low_freq_factor, got {self.high_freq_factor} "
+                f"and {self.low_freq_factor} (Llama 3.1 uses 4.0 and 1.0)"
+            )
+        if self.original_max_position_embeddings is None:
+            raise TypeError("RoPEScaling 'llama3' needs original_max_position_embeddings (Llama 3.1: 8192)")
+        set_(self, "original_max_position_embeddings",
+             check_positive_int(self.original_max_position_embeddings, "original_max_position_embeddings"))
+
+    def __repr__(self) -> str:
+        if self.kind == "linear":
+            return f"RoPEScaling('linear', factor={self.factor:g})"
+        return (f"RoPEScaling('llama3', factor={self.factor:g}, low_freq_factor={self.low_freq_factor:g}, "
+                f"high_freq_factor={self.high_freq_factor:g}, "
+                f"original_max_position_embeddings={self.original_max_position_embeddings})")
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The rescaled frequencies: (D/2,) -> (D/2,), same dtype."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        context = float(self.original_max_position_embeddings)
+        wavelength = 2 * math.pi / inv_freq
+        s = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - s) * inv_freq / self.factor + s * inv_freq
+        out = torch.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor, blended)
+        return torch.where(wavelength < context / self.high_freq_factor, inv_freq, out)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, device, dtype) -> tuple:
+    """cos and sin (L, D) of the angles position * theta_i, computed in float64 (each theta
+    repeated for both halves), then cast to ``dtype`` on ``device``."""
+    angles = torch.outer(positions, inv_freq)  # (L, D/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
 class RoPE:
     """Rotary position embedding for head dim ``head_dim`` (even) with frequency ``base``.
 
     ``rope(x, offset)`` rotates x (B, H, L, D) as if its tokens sat at positions
     ``offset ... offset + L - 1`` (a decode step over a KV cache passes the cache length).
+    ``scaling`` (a :class:`RoPEScaling`, default none) rescales the frequencies.
 
-    The cos/sin tables are computed in float64 and cached per (device, dtype); they grow on demand
-    (doubling), so a sequence of any length works and the table is not rebuilt on every step.
+    The frequencies and the cos/sin tables are computed in float64; the tables are cached per
+    (device, dtype) and grow on demand (doubling), so a sequence of any length works and the table
+    is not rebuilt on every step.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, *, scaling: Optional[RoPEScaling] = None):
         check_positive_int(head_dim, "head_dim")
         if head_dim % 2:
             raise ValueError(
                 f"RoPE needs an even head dim (it rotates pairs of coordinates), got head_dim={head_dim}; "
                 "choose d_out / num_heads even"
             )
+        if scaling is not None and not isinstance(scaling, RoPEScaling):
+            raise TypeError(
+                f"scaling must be a RoPEScaling or None, got {type(scaling).__name__}; "
+                "e.g. RoPEScaling('linear', 4.0)"
+            )
         self.head_dim = int(head_dim)
         self.base = check_rope_base(base)
-        # theta_i = base^(-2i/D), i = 0 .. D/2-1
-        self.inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        self.scaling = scaling
+        # theta_i = base^(-2i/D), i = 0 .. D/2-1, then the scaling rule
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        self.inv_freq = inv_freq if scaling is None else scaling.apply(inv_freq)
         self._tables: dict = {}
 
     def __repr__(self) -> str:
-        return f"RoPE(head_dim={self.head_dim}, base={self.base:g})"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"RoPE(head_dim={self.head_dim}, base={self.base:g}{scaling})"
 
     def cos_sin(self, length: int, *, offset: int = 0, device=None, dtype=torch.float32):
         """cos and sin tables (length, D) for positions ``offset ... offset + length - 1``."""
         end = offset + length
         key = (torch.device(device) if device is not None else torch.device("cpu"), dtype)
+        if torch.compiler.is_compiling():
+            # no table cache in a compiled graph: a dict that the first call fills would make
+            # dynamo's guards fail on the second call (a recompile); the same float64 angles
+            return _cos_sin(torch.arange(offset, end, dtype=torch.float64), self.inv_freq, key[0], dtype)
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < end:
             size = max(end, 2 * cached[0].shape[0] if cached is not None else 256)
-            angles = torch.outer(torch.arange(size, dtype=torch.float64), self.inv_freq)  # (size, D/2)
-            angles = torch.cat((angles, angles), dim=-1)  # (size, D): theta repeated for both halves
-            cached = (angles.cos().to(device=key[0], dtype=dtype), angles.sin().to(device=key[0], dtype=dtype))
+            cached = _cos_sin(torch.arange(size, dtype=torch.float64), self.inv_freq, key[0], dtype)
             self._tables[key] = cached
         return cached[0][offset:end], cached[1][offset:end]
 
-    def __call__(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x (B, H, L, D) rotated for positions ``offset ... offset + L - 1``; same shape and dtype."""
+    def __call__(self, x: torch.Tensor, offset: int = 0, *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, H, L, D) rotated for positions ``offset ... offset + L - 1``, or for ``positions``,
+        an (L,) integer tensor of any positions (e.g. a context-parallel shard's, from
+        :func:`multihead.distributed.shard_positions`); same shape and dtype."""
         check_tensor(x, "x")
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x has head dim {x.shape[-1]} but this RoPE was built for head_dim={self.head_dim}")
-        cos, sin = self.cos_sin(x.shape[-2], offset=offset, device=x.device, dtype=x.dtype)
+        if positions is None:
+            cos, sin = self.cos_sin(x.shape[-2], offset=offset, device=x.device, dtype=x.dtype)
+        else:
+            _check_positions(positions, x.shape[-2])
+            end = int(positions.max()) + 1 if positions.numel() else 0
+            cos, sin = self.cos_sin(end, device=x.device, dtype=x.dtype)
+            index = positions.to(x.device)
+            cos, sin = cos[index], sin[index]
         return x * cos + rotate_half(x) * sin

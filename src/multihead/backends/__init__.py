@@ -6,7 +6,8 @@ or None, and out (B, H, Lq, Dv). Inputs arrive validated. Each backend also says
 call, why it cannot take it (or None when it can), and may say why ``"auto"`` should not pick it
 although it could (too slow or too much memory for this call: ``auto_declines``). ``"auto"``
 picks the first backend in :data:`AUTO_ORDER` that neither refuses nor declines the call, and
-:func:`explain_dispatch` reports every reason; a backend named explicitly runs unless it refuses.
+:func:`explain_dispatch` reports every reason, and how the chosen backend will run the call when it
+can say (``describe``); a backend named explicitly runs unless it refuses.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
 Dv value head dim.
@@ -45,17 +46,21 @@ class Backend:
     summary: str
     #: why ``"auto"`` should pass this call to a later backend although this one could run it
     auto_declines: Optional[Callable[[Call], Optional[str]]] = None
+    #: how this backend would run the call (its kernel, the tensors it builds), for explain_dispatch
+    describe: Optional[Callable[[Call], str]] = None
 
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Which backend ``"auto"`` would run, and why each other one was not chosen."""
+    """Which backend ``"auto"`` would run, how (``how``; "" when it does not say), and why each
+    other one was not chosen."""
 
     backend: str
     refused: dict
+    how: str = ""
 
     def __str__(self) -> str:
-        lines = [f"backend: {self.backend}"]
+        lines = [f"backend: {self.backend}"] + ([f"  runs: {self.how}"] if self.how else [])
         lines += [f"  not {name}: {why}" for name, why in self.refused.items()]
         return "\n".join(lines)
 
@@ -104,7 +109,8 @@ def explain_dispatch_call(call: Call) -> Dispatch:
         else:
             refused[name] = f"'{chosen}' comes first in the auto order"
     assert chosen is not None, "the reference backend accepts every call"
-    return Dispatch(chosen, refused)
+    describe = _REGISTRY[chosen].describe
+    return Dispatch(chosen, refused, describe(call) if describe is not None else "")
 
 
 def resolve(name: str, call: Call) -> Backend:

@@ -2,59 +2,74 @@
 
 A causal mask that SDPA can express as ``is_causal`` (top-left alignment, or Lq == Lk) goes to
 the kernel as such, so the kernel can skip the blocks above the diagonal; other masks are
-materialised to one tensor (bool when there is no bias, float otherwise). Grouped-query calls
-use ``enable_gqa``. Rows with no visible key give 0 (PyTorch >= 2.5 does this itself).
+materialised to one 4-D tensor (bool when there is no bias, float otherwise; a 3-D one would
+send SDPA to its math kernel). A bias is built in the compute dtype, float32 for
+float16/bfloat16 inputs: SDPA accepts a float32 ``attn_mask`` beside half q, k, v and adds it to
+its float32 scores, so a float32 bias is never rounded to the inputs' precision. Grouped-query
+calls use ``enable_gqa``. Rows with no visible key give 0 (PyTorch >= 2.5 does this itself).
 
-``backend="auto"`` declines SDPA when the dense mask it would need exceeds
-:data:`DENSE_MASK_BUDGET_BYTES` (a window or a bottom-right causal mask at long lengths); the
-``chunked`` backend then runs it without any (Lq, Lk) tensor.
+On CPU, PyTorch runs its flash kernel unless a condition sends it to the math kernel, which
+holds dense (Lq, Lk) scores: for torch 2.13 (``select_sdp_backend_cpp`` in
+``aten/src/ATen/native/transformers/sdp_utils_cpp.cpp``) that is dropout, Dv != D, an
+``attn_mask`` that requires grad (a bias that requires grad, with autograd recording), a 3-D
+``attn_mask``, q/k/v whose last dimension is not contiguous, an empty sequence, or the flash
+kernel turned off with ``torch.backends.cuda.enable_flash_sdp(False)``. :func:`plan` asks
+PyTorch's own chooser which kernel a call gets and what dense tensors it builds.
 
-Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim.
+``backend="auto"`` declines SDPA when those dense tensors exceed :data:`DENSE_MASK_BUDGET_BYTES`
+(a window or a bottom-right causal mask, or math-kernel scores, at long lengths); the
+``chunked`` backend then runs the call without any (Lq, Lk) tensor. On the meta device nothing
+is allocated, and no budget applies.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
+Dv value head dim.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import trace as _trace
-from ..masks import Causal, Mask
+from ..masks import Causal, Mask, split_additive
 from . import Backend, Call, register
+from .reference import compute_dtype
 
-#: ``backend="auto"`` passes a call on to the next backend when the dense mask tensors SDPA would
-#: need (our mask, plus the float copy PyTorch makes of a bool mask) exceed this many bytes.
+#: ``backend="auto"`` passes a call on to the next backend when the dense (Lq, Lk) tensors an
+#: SDPA call would build exceed this many bytes: our mask, the float copy PyTorch makes of a
+#: bool mask, and, when PyTorch would run its math kernel, its scores (see :func:`plan`).
 DENSE_MASK_BUDGET_BYTES = 256 * 2**20
 
+#: Bytes per score the math kernel holds at its peak, in units of the itemsize it computes in
+#: (float32 for float16/bfloat16, which it upcasts): the scores and their softmax exist at once,
+#: plus the softmax's temporaries (3); a backward adds the gradient of the probabilities (+1),
+#: dropout its kept copy (+1). Measured peaks (torch 2.13 CPU, L = 4000 and 8000): 2.3-2.5
+#: forward, 3.1-3.3 with backward, 3.1-4.3 with dropout.
+MATH_SCORE_COPIES = 3
+
 _KERNELS = {0: "math", 1: "flash attention", 2: "efficient attention", 3: "cuDNN attention", 4: "overrideable"}
+_FUSED = frozenset(_KERNELS.values()) - {"math"}
 
 
 def sdpa_mask_args(mask: Optional[Mask], shape, *, device, dtype):
-    """(attn_mask, is_causal) for SDPA from one of our masks, for (B, H, Lq, Lk) = ``shape``."""
+    """(attn_mask, is_causal) for SDPA from one of our masks, for (B, H, Lq, Lk) = ``shape`` and
+    inputs of ``dtype``; a bias is built in ``compute_dtype(dtype)``."""
     if mask is None:
         return None, False
     if _is_kernel_causal(mask, shape):
         return None, True
-    mt = mask.materialize(shape, device=device, dtype=dtype)
+    mt = mask.materialize(shape, device=device, dtype=compute_dtype(dtype))
     if mt.bias is None:
         t = mt.keep
     elif mt.keep is None:
         t = mt.bias
     else:
         t = mt.bias.masked_fill(~mt.keep, float("-inf"))
-    return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)), False  # SDPA wants at least (Lq|1, Lk|1)
-
-
-def dense_mask_bytes(mask: Optional[Mask], shape, dtype: torch.dtype) -> int:
-    """Bytes of the mask tensors an SDPA call needs for (B, H, Lq, Lk) = ``shape`` (0 for none):
-    the materialised mask (bool or ``dtype``) and the ``dtype`` copy SDPA makes of a bool one."""
-    if mask is None or _is_kernel_causal(mask, shape):
-        return 0
-    numel = math.prod(mask.dense_shape(shape))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return numel * (1 + itemsize)
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)), False  # 4-D: see the module docstring
 
 
 def _is_kernel_causal(mask: Mask, shape) -> bool:
@@ -63,12 +78,95 @@ def _is_kernel_causal(mask: Mask, shape) -> bool:
     return len(parts) == 1 and isinstance(parts[0], Causal) and (parts[0].align == "top_left" or lq == lk)
 
 
-def _kernel_name(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa) -> str:
+@dataclass(frozen=True)
+class Plan:
+    """How one SDPA call runs: PyTorch's kernel and the dense (Lq, Lk) tensors it builds
+    (``scores_bytes``: the math kernel's, counted unless the kernel is known to be a fused one)."""
+
+    kernel: str
+    why_math: Optional[str]
+    mask: str
+    mask_bytes: int
+    scores_bytes: int
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.mask_bytes + self.scores_bytes
+
+    def __str__(self) -> str:
+        text = f"torch's {self.kernel} kernel"
+        if self.scores_bytes:
+            text += f" ({self.why_math or 'no fused kernel known'}) with dense scores of {_size(self.scores_bytes)}"
+        text += f", {self.mask}"
+        if self.mask_bytes:
+            text += f" ({_size(self.mask_bytes)})"
+        return text
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 or n == 0 else f"{n / 2**10:.0f} KiB"
+
+
+def plan(call: Call) -> Plan:
+    """Which kernel PyTorch runs for ``call`` through this backend, and its dense tensors' bytes.
+
+    The kernel comes from PyTorch's own chooser (``torch._fused_sdp_choice``), asked with a
+    zero-stride stand-in for the mask, so nothing (Lq, Lk) is built.
+    """
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    is_causal = mask is not None and _is_kernel_causal(mask, shape)
+    biases = split_additive(mask, shape)[1] if mask is not None else ()
+    stand_in, mask_bytes, described = None, 0, "is_causal=True" if is_causal else "no mask"
+    if mask is not None and not is_causal:
+        dtype = compute_dtype(q.dtype) if biases else torch.bool
+        dense = (1,) * (4 - len(mask.dense_shape(shape))) + mask.dense_shape(shape)
+        # a bool mask: ours, and the q.dtype copy PyTorch converts it to
+        mask_bytes = math.prod(dense) * (1 + q.dtype.itemsize if dtype == torch.bool else dtype.itemsize)
+        grad = torch.is_grad_enabled() and any(b.requires_grad for b in biases)
+        described = f"{str(dtype).removeprefix('torch.')} mask of shape {dense}"
+        with torch.enable_grad() if grad else torch.no_grad():
+            stand_in = torch.zeros((), dtype=dtype, device=q.device, requires_grad=grad).expand(dense)
+    name = _kernel_name(q, k, v, stand_in, call.dropout_p, is_causal)
+    why = _why_math(call, stand_in) if name == "math" else None
+    scores = 0
+    if name not in _FUSED:
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *biases))
+        copies = MATH_SCORE_COPIES + int(backward) + int(call.dropout_p > 0)
+        scores = math.prod(shape) * compute_dtype(q.dtype).itemsize * copies
+    return Plan(name, why, described, mask_bytes, scores)
+
+
+def _kernel_name(q, k, v, attn_mask, dropout_p, is_causal) -> str:
+    """PyTorch's kernel for this call, from its private chooser (an unknown kernel, budgeted as
+    the math kernel, if the chooser cannot be asked)."""
     try:
-        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa)
-        return _KERNELS.get(int(choice), str(choice))
-    except Exception:  # the private chooser is informational only
-        return "chosen by PyTorch"
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    except Exception:  # a private function: it may change or go away
+        return "unknown"
+    return _KERNELS.get(int(choice), str(choice))
+
+
+def _why_math(call: Call, attn_mask) -> str:
+    """The first of torch 2.13's CPU conditions for the math kernel that ``call`` meets."""
+    q, k, v = call.q, call.k, call.v
+    if q.device.type != "cpu":
+        return f"PyTorch's choice on {q.device.type}"
+    if not torch.backends.cuda.flash_sdp_enabled():
+        return "the flash kernel is turned off: torch.backends.cuda.enable_flash_sdp(False)"
+    if call.dropout_p > 0:
+        return f"dropout_p = {call.dropout_p} > 0"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "the bias requires grad"
+    if v.shape[-1] != q.shape[-1]:
+        return f"Dv = {v.shape[-1]} differs from D = {q.shape[-1]}"
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return "an empty sequence"
+    strided = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.stride(-1) != 1]
+    if strided:
+        return f"{', '.join(strided)} not contiguous in the last dimension (stride != 1)"
+    return "PyTorch's choice"
 
 
 def sdpa_attention(q, k, v, mask, *, scale, dropout_p):
@@ -81,7 +179,7 @@ def sdpa_attention(q, k, v, mask, *, scale, dropout_p):
     )
     tr = _trace.current()
     if tr is not None:
-        kernel = _kernel_name(q, k, v, attn_mask, dropout_p, is_causal, scale, gqa)
+        kernel = _kernel_name(q, k, v, attn_mask, dropout_p, is_causal)
         how = "is_causal=True" if is_causal else ("no mask" if attn_mask is None else f"{attn_mask.dtype} mask tensor")
         tr.record(
             "fused attention (scores, scale, mask, softmax, weights × V)", out,
@@ -98,13 +196,28 @@ def _refuses(call: Call) -> Optional[str]:
 
 
 def _auto_declines(call: Call) -> Optional[str]:
-    shape = (call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2])
-    need = dense_mask_bytes(call.mask, shape, call.q.dtype)
-    if need > DENSE_MASK_BUDGET_BYTES:
-        return (f"its dense mask {call.mask!r} of shape {call.mask.dense_shape(shape)} would take "
-                f"{need / 2**20:.0f} MiB, over sdpa.DENSE_MASK_BUDGET_BYTES = "
-                f"{DENSE_MASK_BUDGET_BYTES / 2**20:.0f} MiB")
-    return None
+    if call.q.device.type == "meta":
+        return None  # a meta tensor allocates nothing: no budget to keep
+    budget = DENSE_MASK_BUDGET_BYTES
+    c = compute_dtype(call.q.dtype).itemsize
+    # the most an SDPA call of this size can build per score: a bool mask and its float copy,
+    # and the math kernel's scores with a backward and dropout; within the budget, plan nothing
+    if math.prod((*call.q.shape[:3], call.k.shape[2])) * (1 + c + c * (MATH_SCORE_COPIES + 2)) <= budget:
+        return None
+    p = plan(call)
+    if p.dense_bytes <= budget:
+        return None
+    over = f"over sdpa.DENSE_MASK_BUDGET_BYTES = {_size(budget)}"
+    if p.scores_bytes:
+        mask = f" and its {p.mask} ({_size(p.mask_bytes)})" if p.mask_bytes else ""
+        return (f"torch would run its {p.kernel} kernel for this call ({p.why_math or 'no fused kernel known'}) "
+                f"with dense scores of {_size(p.scores_bytes)}{mask}, {over}")
+    return (f"its dense mask {call.mask!r} of shape {call.mask.dense_shape((*call.q.shape[:3], call.k.shape[2]))} "
+            f"would take {_size(p.mask_bytes)}, {over}")
+
+
+def _describe(call: Call) -> str:
+    return str(plan(call))
 
 
 BACKEND = register(
@@ -114,6 +227,7 @@ BACKEND = register(
         refuses=_refuses,
         summary="torch.nn.functional.scaled_dot_product_attention (fused kernels)",
         auto_declines=_auto_declines,
+        describe=_describe,
     ),
     auto_rank=0,
 )

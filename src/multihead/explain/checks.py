@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .._numerics import default_scale
 from ..trace import Trace
 
 __all__ = [
@@ -86,7 +87,7 @@ def check_scores(q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor) -> bool
 
 def check_scale(scores: torch.Tensor, scaled: torch.Tensor, head_dim: int) -> bool:
     """scaled is scores times 1/√D, bit for bit (the same one multiplication)."""
-    return scaled.shape == scores.shape and torch.equal(scaled, scores * head_dim ** -0.5)
+    return scaled.shape == scores.shape and torch.equal(scaled, scores * default_scale(head_dim))
 
 
 def check_mask(scaled: torch.Tensor, masked: torch.Tensor, keep: torch.Tensor) -> bool:

@@ -24,11 +24,45 @@ from typing import Optional
 import torch
 
 from .._checks import check_dropout, check_positive_int
-from ..cli import UsageError
+from . import UsageError
 from ..module import MultiHeadAttention
 from ..trace import Trace, trace
 
-__all__ = ["ExampleConfig", "build_example", "config_from_args", "trace_example"]
+__all__ = ["ExampleConfig", "Limits", "LIMITS", "MAX_BATCH", "MAX_HEADS", "MAX_FEATURES",
+           "build_example", "config_from_args", "trace_example"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The largest example one output format can show (``multihead explain`` refuses more, by name).
+
+    tokens: the most query tokens Lq, and key tokens Lk. scores: the most elements B*H*Lq*Lk of
+    one score step (the walkthrough keeps every step's values, and recomputes them in float64).
+    why: the reason, said in the refusal.
+    """
+
+    tokens: int
+    scores: int
+    why: str
+
+
+_TEXT = Limits(256, 2 ** 22, "it prints 8 x 8 corners, but keeps every step's values and recomputes them in float64")
+#: per ``--format``. text and markdown print 8 x 8 corners of each matrix, json all of it (256 x 256
+#: = 65,536 numbers a step); an html heat map cell is at least 18 px wide (64 fill a screen) and
+#: the page embeds every map of every head; a png panel is at most 780 px (12 px a cell at 64).
+LIMITS = {
+    "text": _TEXT,
+    "markdown": _TEXT,
+    "json": Limits(256, 2 ** 22, "json writes every step's batch-0, head-0 matrix in full"),
+    "html": Limits(64, 2 ** 18, "a heat map cell per token pair, and the page embeds every value"),
+    "png": Limits(64, 2 ** 18, "one readable cell per token pair in the heat maps"),
+}
+#: every format shows one batch element at a time (html: a selector; text: batch 0)
+MAX_BATCH = 16
+#: html and png draw one heat map per head (png: a 4 x 4 grid at most)
+MAX_HEADS = 16
+#: d_in and d_out: the text prints 8 columns; 1024 holds real models' widths (BERT-base: 768)
+MAX_FEATURES = 1024
 
 
 @dataclass(frozen=True)
@@ -104,7 +138,7 @@ class ExampleConfig:
 
 def config_from_args(args) -> ExampleConfig:
     """The example config of the parsed ``multihead explain`` options, checked before any work:
-    a size the module refuses raises :class:`multihead.cli.UsageError` naming the options."""
+    a size the module refuses raises :class:`UsageError` naming the options."""
     if args.d_out % args.heads:
         raise UsageError(
             f"--heads {args.heads} does not divide --d-out {args.d_out}: choose --d-out as a multiple "

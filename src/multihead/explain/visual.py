@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..cli import UsageError
+from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
 from .example import config_from_args, trace_example
@@ -345,19 +345,16 @@ def render_html(
 
 
 # ---------------------------------------------------------------------------- CLI
-def prepare(args) -> Path:
-    """Check ``--out`` (and matplotlib for png) before any work; returns the output path.
+def prepare(args, stdout=None) -> Optional[Path]:
+    """Check ``--out`` (and matplotlib for png) before any work; returns the output path, or None
+    for ``--out -`` (stdout).
 
-    A user mistake raises :class:`multihead.cli.UsageError` (one line, exit 2).
+    A user mistake raises :class:`UsageError` (one line, exit 2).
     """
     if args.out is None:
         example = "walkthrough.html" if args.format == "html" else "heads.png"
-        raise UsageError(f"--format {args.format} writes a file: add --out FILE (for example --out {example})")
-    out = Path(args.out)
-    if out.is_dir():
-        raise UsageError(f"--out {args.out} is a directory; give a file name such as {out / 'walkthrough.html'}")
-    if not out.parent.is_dir():
-        raise UsageError(f"--out {args.out}: the directory {out.parent} does not exist; create it first")
+        raise UsageError(f"--format {args.format} writes a file: add --out FILE (for example --out {example}; - for stdout)")
+    out = check_out(args.out, stdout, binary=args.format == "png")
     if args.format == "png":
         from .visual_png import require_matplotlib
 
@@ -367,7 +364,7 @@ def prepare(args) -> Path:
 
 def write(
     args,
-    out: Path,
+    out: Optional[Path],
     trace: Optional[Trace],
     maps: Sequence[HeadMaps],
     stdout,
@@ -377,16 +374,18 @@ def write(
     head: int = 0,
 ) -> int:
     """Write ``--format html`` (trace and maps, see :func:`render_html`) or ``png`` (the heads of
-    ``maps[start]``) to ``out``."""
+    ``maps[start]``) to ``out`` (from :func:`prepare`; None = stdout)."""
     if args.format == "html":
-        out.write_text(render_html(trace, maps, lang=args.lang, group=group, start=start, head=head), encoding="utf-8")
+        data = render_html(trace, maps, lang=args.lang, group=group, start=start, head=head)
     elif args.format == "png":
-        from .visual_png import save_heads_png
+        from .visual_png import png_bytes
 
-        save_heads_png(maps[start], out)
+        data = png_bytes(maps[start])
     else:
         raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
-    print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+    write_output(data, out, stdout)
+    if out is not None:
+        print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
     return 0
 
 
@@ -395,6 +394,6 @@ def run(args, stdout) -> int:
 
     The example is :func:`.example.trace_example`, the forward pass the text walkthrough explains.
     """
-    out = prepare(args)
+    out = prepare(args, stdout)
     trace = trace_example(config_from_args(args))
     return write(args, out, trace, head_maps_from_trace(trace), stdout)

@@ -6,12 +6,13 @@ Legend: H heads, Lq/Lk query/key lengths.
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
-from ..cli import UsageError
+from . import UsageError
 
-__all__ = ["require_matplotlib", "heads_figure", "save_heads_png"]
+__all__ = ["require_matplotlib", "heads_figure", "png_bytes", "save_heads_png"]
 
 _MAX_COLS = 4
 _ANNOTATE_UP_TO = 12  # print the value in each cell when both lengths are at most this
@@ -76,8 +77,15 @@ def heads_figure(maps):
     return fig
 
 
+def png_bytes(maps) -> bytes:
+    """:func:`heads_figure` of ``maps`` as the bytes of a PNG file."""
+    buffer = io.BytesIO()
+    heads_figure(maps).savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
 def save_heads_png(maps, path) -> Path:
     """Write :func:`heads_figure` of ``maps`` to ``path`` as PNG."""
     path = Path(path)
-    heads_figure(maps).savefig(path, format="png")
+    path.write_bytes(png_bytes(maps))
     return path

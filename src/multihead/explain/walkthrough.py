@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import write_output
+from . import check_out, write_output
 from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
@@ -458,15 +458,16 @@ def run(args, stdout) -> int:
     """``multihead explain`` for the text, json and markdown formats. Returns the exit code:
     0 when every check held, 1 when one failed; a bad option raises UsageError (exit 2)."""
     config = config_from_args(args)
+    out = check_out(args.out)
     w = explain(config, per_head=args.per_head, cost=args.cost)
     if args.format == "json":
         text = render_json(w, lang=args.lang, values=args.values)
     elif args.format == "markdown":
         text = render_markdown(w, lang=args.lang, values=args.values)
     else:
-        color = args.out is None and _wants_color(stdout)
+        color = out is None and _wants_color(stdout)
         text = render_text(w, lang=args.lang, values=args.values, color=color)
-    write_output(text, args.out, stdout)
+    write_output(text, out, stdout)
     return 0 if w.all_checks_hold else 1
 
 

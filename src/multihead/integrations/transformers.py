@@ -128,7 +128,8 @@ def attention_forward(
         module: the calling attention layer (read: ``training``, ``is_causal``,
             ``num_key_value_groups``).
         query: (B, H, Lq, D).
-        key, value: (B, Hkv, Lk, D); Hkv divides H (GQA: passed to multihead as they are).
+        key: (B, Hkv, Lk, D); Hkv divides H (GQA: passed to multihead as they are).
+        value: (B, Hkv, Lk, D), like ``key``.
         attention_mask: see :func:`to_mask`.
         scaling: multiplies q·kᵀ (default 1/√D).
         dropout: attention dropout, applied only when ``module.training``.

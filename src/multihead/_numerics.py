@@ -1,0 +1,52 @@
+"""Numbers every backend shares: the default scale and the dtype autocast dictates.
+
+One copy of each, so that two paths cannot differ in the last bit (``D ** -0.5`` and
+``1 / math.sqrt(D)`` do for 218 head dims D <= 1024).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["AUTOCAST_ELIGIBLE", "default_scale", "autocast_dtype", "autocast_inputs", "outside_autocast"]
+
+#: dtypes autocast may cast (float64 is never cast, as in torch's own autocast)
+AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_scale(head_dim: int) -> float:
+    """1/√D, the scale of the scores when none is given (1 for D = 0)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The lower-precision dtype autocast casts attention inputs to on ``device_type``, or None
+    when autocast is off there."""
+    if device_type not in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple:
+    """The tensors as autocast would pass them to ``scaled_dot_product_attention``: inside an
+    autocast region, float32/16 tensors become the autocast dtype (differentiably); float64
+    and non-float tensors are left alone. Outside autocast, the tensors themselves."""
+    ref = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    dt = None if ref is None else autocast_dtype(ref.device.type)
+    if dt is None:
+        return tensors
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE else t for t in tensors)
+
+
+def outside_autocast(device_type: str):
+    """A context in which autocast is off on ``device_type`` (a no-op context when it already is):
+    backends run in it so that they compute as they document, inside autocast regions too."""
+    if autocast_dtype(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
