@@ -57,7 +57,6 @@ D head dim, Dv value head dim.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
@@ -71,6 +70,7 @@ import torch
 
 from .. import trace as _trace
 from .._checks import check_positive_int, check_qkv, check_scale
+from .._numerics import autocast_inputs, outside_autocast
 from ..masks import Mask, as_mask, split_additive
 from . import Backend, Call, register
 from .reference import compute_dtype
@@ -399,25 +399,6 @@ def _any(t: torch.Tensor) -> bool:
     return t.device.type != "meta" and bool(t.any())
 
 
-def _autocast_off(device: torch.device):
-    """A context that turns autocast off for ``device`` (the tiles choose their own dtype)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _as_autocast_casts(*tensors):
-    """``tensors`` as autocast casts the inputs of SDPA inside an autocast region of their device:
-    floating tensors other than float64 to the region's dtype; unchanged outside such a region."""
-    t0 = tensors[0]
-    if not isinstance(t0, torch.Tensor) or not torch.amp.is_autocast_available(t0.device.type) \
-            or not torch.is_autocast_enabled(t0.device.type):
-        return tensors
-    dtype = torch.get_autocast_dtype(t0.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-                 else t for t in tensors)
-
-
 def _with_ones_column(t: torch.Tensor, value: float = 1.0) -> torch.Tensor:
     """(N, L, X) -> (N, L, X+1), a new contiguous tensor whose last column is ``value``."""
     out = torch.empty(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
@@ -496,7 +477,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rest, options, *biases):
-        with _autocast_off(q.device):
+        with outside_autocast(q.device.type):
             problem = _Problem(q, k, v, rest, biases, **options)
             out, lse = problem.forward()
         ctx.save_for_backward(q, k, v, out, lse, *biases)
@@ -507,7 +488,7 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, g_out, g_lse):
         create_graph = torch.is_grad_enabled()
         q, k, v, out, lse, *biases = ctx.saved_tensors
-        with torch.no_grad(), _autocast_off(q.device):
+        with torch.no_grad(), outside_autocast(q.device.type):
             problem = _Problem(q, k, v, ctx.rest, tuple(biases), **ctx.options)
             g_out = problem.group_rows(g_out.to(problem.cdt))
             if g_lse is not None:
@@ -584,7 +565,7 @@ def chunked_attention(
     Returns:
         out (B, H, Lq, Dv), or ``(out, lse)``. A row with no visible key gives out 0.
     """
-    q, k, v = _as_autocast_casts(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[-1])
     groups = q.shape[1] // k.shape[1]
@@ -613,7 +594,7 @@ def selected_weights(q, k, mask: Optional[Mask], *, scale: float, heads: Sequenc
     size (H, Lq, Lk) is built. Differentiable (the lse is). Computed in the compute dtype, also
     inside ``torch.autocast``.
     """
-    with _autocast_off(q.device):
+    with outside_autocast(q.device.type):
         return _selected_weights(q, k, mask, scale=scale, heads=heads, rows=rows)
 
 
