@@ -253,16 +253,10 @@ def test_extra_repr_shows_the_config():
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("backend,blocks", [("reference", None), ("sdpa", None), ("chunked", None), ("chunked", 4)])
-def test_module_runs_under_inference_mode_with_every_backend(backend, blocks, mode, monkeypatch, request):
+def test_module_runs_under_inference_mode_with_every_backend(backend, blocks, mode, monkeypatch):
     """With every backend, and for several query and key blocks of the chunked backend."""
     from multihead.backends import chunked
 
-    if blocks is not None and mode == "inference_mode":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=RuntimeError,
-            reason="issue 11 defect 4, in backends/chunked.py: its worker threads run outside the "
-            "caller's inference_mode; remove this mark when the chunked fix is merged",
-        ))
     if blocks is not None:
         monkeypatch.setattr(chunked, "BLOCK_ROWS", blocks)
         monkeypatch.setattr(chunked, "BLOCK_K", blocks)

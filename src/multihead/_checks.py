@@ -102,8 +102,14 @@ def check_heads(H: int, Hkv: int, h_name: str = "Hq", kv_name: str = "Hkv") -> N
         )
 
 
+#: the largest ``scale`` every backend takes: the square root of float32's largest value. The
+#: scores are formed in float32 (or float64), so up to it scale·q·kᵀ stays finite while
+#: |q·k| < 2**64; above it ordinary q and k overflow the scores to inf and the softmax to NaN.
+MAX_SCALE = 2.0 ** 64
+
+
 def check_scale(scale, head_dim: int) -> float:
-    """``None`` gives 1/sqrt(D); otherwise a positive finite number."""
+    """``None`` gives 1/sqrt(D); otherwise a number in (0, :data:`MAX_SCALE`]."""
     if scale is None:
         return default_scale(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -111,6 +117,12 @@ def check_scale(scale, head_dim: int) -> float:
     scale = float(scale)
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale must be positive and finite, got {scale}; leave it None for 1/sqrt(D)")
+    if scale > MAX_SCALE:
+        raise ValueError(
+            f"scale must be at most 2**64 (about 1.8e19), got {scale:g}: the scores scale·q·kᵀ are "
+            "formed in float32, where a larger scale overflows them to inf and the softmax to NaN; "
+            "use 0 < scale <= 2**64 (a scale that large already gives each query's hard maximum)"
+        )
     return scale
 
 

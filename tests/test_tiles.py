@@ -1,0 +1,251 @@
+"""Extreme-tile strategies for the tiled backends: scores far outside exp's range in chosen tiles.
+
+A tiled backend (online softmax) keeps a per-row shift while it walks the key tiles; a wrong
+shift underflows or overflows whole tiles, and the damage depends on which tile holds what.
+With tiles of 1 to 6 keys and queries, a few dozen keys give several tiles, and Hypothesis
+draws, per (query tile, key tile), a bias offset far below or far above exp's range (±90 is
+past float32's, ±800 past float64's), key padding that empties the first tiles, rows whose
+only visible keys are in the last tile, an optional causal mask, and optionally a random
+permutation of the keys (any tile order). Outputs and the gradients of q, k, v and the bias are
+held to the float64 oracle's rule (:func:`oracle.judge`), in float64, float32 and bfloat16.
+The named tests below are the shapes of the defects found so far, written out.
+
+Run deeper with ``pytest tests/test_tiles.py --hypothesis-profile=long``.
+
+Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+import multihead
+from multihead import backends
+from multihead.backends import chunked
+from multihead.backends.chunked import chunked_attention
+from oracle import MaskPart, combine, one_thread
+from test_properties import Case, Oracle, assert_agrees, forward_backward, oracle_run
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+#: the tiled backends: name -> attention(q, k, v, mask, block_q=, block_k=)
+TILED = {"chunked": chunked_attention}
+
+#: bias offsets of a tile: 0, near and far past float32's exp range (~±87), past float64's (~±709)
+OFFSETS = [0.0, 0.0, -50.0, -90.0, -200.0, -800.0, 50.0, 90.0, 200.0, 800.0]
+
+
+def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> None:
+    """Every tiled backend on ``case`` with tiles of ``block_q`` x ``block_k``, against the oracle,
+    computed the way :data:`PATHS` names."""
+    oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
+    panel_scores, threads = PATHS[path]
+    for name, fn in TILED.items():
+        def call(leaves, fn=fn):
+            q, k, v, parts = case.assemble(leaves)
+            return fn(q, k, v, combine(parts), scale=case.scale, block_q=block_q, block_k=block_k)
+
+        with panel_budget(panel_scores), torch_threads(threads):
+            out, grads = forward_backward(call, case.leaves(), case.grad_out)
+        assert out.dtype == case.dtype
+        assert_agrees(f"{name} tiles {block_q}x{block_k} ({path})", out, grads, oracle, case.dtype)
+
+
+#: how the tiles are computed: (chunked.PANEL_SCORES, torch threads). "panels": the calling
+#: thread merges tiles into panels; "tiles": one tile at a time; "threads": 3 threads share
+#: the query blocks (each single-threaded, so this module's one-thread rule still holds)
+PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
+
+
+@contextlib.contextmanager
+def panel_budget(scores):
+    """:data:`chunked.PANEL_SCORES` set to ``scores`` (None: left as it is)."""
+    if scores is None:
+        yield
+        return
+    before, chunked.PANEL_SCORES = chunked.PANEL_SCORES, scores
+    try:
+        yield
+    finally:
+        chunked.PANEL_SCORES = before
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=0) -> Case:
+    g = torch.Generator().manual_seed(seed)
+
+    def values(*shape):  # float32-representable (so the float64 case can estimate its naive error)
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+
+    q, k, v = values(B, H, Lq, D), values(B, Hkv, Lk, D), values(B, Hkv, Lk, Dv)
+    return Case(B, H, Hkv, Lq, Lk, D, Dv, dtype, False, None, q, k, v, values(B, H, Lq, Dv), parts)
+
+
+def tile_offsets(offsets, Lq, Lk, block_q, block_k) -> torch.Tensor:
+    """(Lq, Lk): ``offsets[i // block_q][j // block_k]`` for query i and key j."""
+    t = torch.tensor(offsets, dtype=torch.float32)
+    return t.repeat_interleave(block_q, 0)[:Lq].repeat_interleave(block_k, 1)[:, :Lk]
+
+
+# --------------------------------------------------------------------------- the strategy
+@st.composite
+def extreme_tiles(draw):
+    dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+    block_q, block_k = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    key_tiles, query_tiles = draw(st.integers(2, 6)), draw(st.integers(1, 4))
+    Lk = key_tiles * block_k - draw(st.integers(0, block_k - 1))  # the last tile may be short
+    Lq = query_tiles * block_q - draw(st.integers(0, block_q - 1))
+    Hkv = draw(st.integers(1, 2))
+    H, B = Hkv * draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    D, Dv = draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    offsets = draw(st.lists(st.lists(st.sampled_from(OFFSETS), min_size=key_tiles, max_size=key_tiles),
+                            min_size=query_tiles, max_size=query_tiles))
+    shape = draw(st.sampled_from(["full", "per_batch", "keys_only"]))
+    base = torch.randn(B, H, Lq, Lk, generator=gen) + tile_offsets(offsets, Lq, Lk, block_q, block_k)
+    bias = {"full": base, "per_batch": base[:, :1], "keys_only": base[:1, :1, :1]}[shape]
+    parts = [MaskPart("bias", tensor=bias.to(draw(st.sampled_from([dtype, torch.float32]))))]
+    # key padding over the first keys: whole tiles or not, at most all but one key
+    padded = draw(st.sampled_from([0, block_k, 2 * block_k, draw(st.integers(0, Lk - 1))]))
+    if 0 < padded < Lk:
+        parts.append(MaskPart("key_padding", tensor=(torch.arange(Lk) >= padded).expand(B, Lk)))
+    if draw(st.booleans()):  # some rows see only keys of the last tile (or only the last key)
+        rows = torch.rand(Lq, 1, generator=gen) < 0.5
+        first = (Lk - 1) // block_k * block_k if draw(st.booleans()) else Lk - 1
+        parts.append(MaskPart("keep", tensor=~rows | (torch.arange(Lk) >= first)))
+    if draw(st.booleans()):
+        parts.append(MaskPart("causal", align=draw(st.sampled_from(["bottom_right", "top_left"]))))
+    case = make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=seed)
+    if draw(st.booleans()):  # the same problem with its keys in a random order: any tile order
+        case = permute_keys(case, torch.randperm(Lk, generator=gen))
+    return case, block_q, block_k, offsets, draw(st.sampled_from(list(PATHS)))
+
+
+def permute_keys(case: Case, perm: torch.Tensor) -> Case:
+    """The same attention with the keys in the order ``perm`` (a causal mask stays as it is, on
+    the new key positions; the oracle is told the same problem)."""
+    def along_keys(t):
+        return t if t.shape[-1] == 1 else t[..., perm]
+
+    parts = [p if p.tensor is None else replace(p, tensor=along_keys(p.tensor)) for p in case.parts]
+    return Case(case.B, case.H, case.Hkv, case.Lq, case.Lk, case.D, case.Dv, case.dtype, False, None,
+                case.q, case.k[:, :, perm], case.v[:, :, perm], case.grad_out, parts)
+
+
+@settings(max_examples=60)
+@given(drawn=extreme_tiles())
+def test_tiled_backends_match_float64_oracle_on_extreme_tiles(drawn):
+    case, block_q, block_k, offsets, path = drawn
+    note(f"{case.dtype} B={case.B} H={case.H} Hkv={case.Hkv} Lq={case.Lq} Lk={case.Lk} D={case.D} "
+         f"tiles {block_q}x{block_k} offsets={offsets} masks={[p.kind for p in case.parts]} path={path}")
+    run_case(case, block_q, block_k, path)
+
+
+# --------------------------------------------------------------------------- named shapes
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("padded_tiles", [1, 2])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_empty_first_tiles_then_scores_far_below_zero(dtype, padded_tiles, path):
+    """Issue 11, defect 2: the first tiles a row visits show it no key, and every score it can see
+    is far below 0 (-200, past float32's exp range; -800 past float64's)."""
+    Lq, Lk, bq, bk = 7, 20, 3, 4
+    offset = -800.0 if dtype == torch.float64 else -200.0
+    parts = [MaskPart("key_padding", tensor=(torch.arange(Lk) >= padded_tiles * bk).expand(2, Lk)),
+             MaskPart("bias", tensor=offset + torch.randn(2, 1, Lq, Lk, generator=torch.Generator().manual_seed(1)))]
+    run_case(make_case(dtype, 2, 4, 2, Lq, Lk, 5, 3, parts), bq, bk, path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_visible_keys_only_in_the_last_tile(dtype, path):
+    """Every row sees nothing until the last tiles, and only scores far below 0 there."""
+    Lq, Lk, bq, bk = 6, 17, 2, 4  # the last tile holds key 16 alone
+    keep = torch.zeros(Lq, Lk, dtype=torch.bool)
+    keep[:, 16] = True
+    keep[::2, 12:] = True
+    offset = -800.0 if dtype == torch.float64 else -120.0
+    parts = [MaskPart("keep", tensor=keep), MaskPart("bias", tensor=torch.full((Lk,), offset))]
+    run_case(make_case(dtype, 1, 2, 1, Lq, Lk, 4, 4, parts), bq, bk, path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_scores_far_above_in_a_later_tile_while_a_row_of_its_block_sees_nothing_there(dtype, path):
+    """Row 0 sees keys only in tile 0 (scores near -200); row 1 of its query block sees a tile
+    later whose scores are far above its shift, so that tile is redone: row 0's shift must
+    stay where it is (a redo that takes 0 as the max of a row that sees nothing there would
+    rescale row 0's sum by exp(-200) = 0 in float32; -800 and exp(-800) in float64)."""
+    Lq, Lk, bq, bk = 2, 8, 2, 4
+    low, big = (-800.0, 800.0) if dtype == torch.float64 else (-200.0, 100.0)
+    keep = torch.ones(Lq, Lk, dtype=torch.bool)
+    keep[0, 4:] = False
+    bias = torch.zeros(Lq, Lk)
+    bias[0, :4] = low
+    bias[1, 4:] = big
+    parts = [MaskPart("keep", tensor=keep), MaskPart("bias", tensor=bias)]
+    run_case(make_case(dtype, 1, 1, 1, Lq, Lk, 3, 3, parts), bq, bk, path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_first_tile_far_above_the_rest(dtype, path):
+    """The first tile sets a shift far above every later score: later tiles underflow to 0,
+    which is exact (their weights are below rounding)."""
+    Lq, Lk, bq, bk = 5, 12, 5, 3
+    bias = torch.zeros(Lk)
+    bias[:3] = 300.0
+    bias[9:] = 290.0  # within exp's range of the first tile's scores again
+    run_case(make_case(dtype, 1, 2, 2, Lq, Lk, 4, 2, [MaskPart("bias", tensor=bias)]), bq, bk, path)
+
+
+# --------------------------------------------------------------------------- the scale
+def scale_inputs(dtype):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(2, 2, 5, 8, generator=g).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", backends.names())
+def test_scale_beyond_float32_range_is_refused_by_name(backend):
+    """Issue 11, defect 11: scale=1e38 overflowed the float32 scores to inf and gave NaN; every
+    backend refuses a scale above 2**64 at the public edge, naming it and the usable range."""
+    q, k, v = scale_inputs(torch.float32)
+    for bad in (1e38, 2.0 ** 64 * 1.01):
+        with pytest.raises(ValueError, match=r"scale must be at most 2\*\*64"):
+            multihead.attention(q, k, v, scale=bad, backend=backend)
+    with pytest.raises(ValueError, match=r"scale must be at most 2\*\*64"):
+        multihead.attention_weights(q, k, scale=1e38)
+    with pytest.raises(ValueError, match=r"scale must be at most 2\*\*64"):
+        chunked_attention(q, k, v, scale=1e38)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", backends.names())
+def test_largest_scale_gives_the_exact_hard_maximum(backend, dtype):
+    """At scale = 2**64 the scores (about 1e19) are far beyond exp's range but finite: each row's
+    weights are exactly one-hot on its largest q·k, so the output is exactly that key's value."""
+    q, k, v = scale_inputs(dtype)
+    out = multihead.attention(q, k, v, scale=2.0 ** 64, backend=backend)
+    best = (q.double() @ k.double().transpose(-1, -2)).argmax(-1)  # no ties in these draws
+    expect = torch.gather(v, 2, best.unsqueeze(-1).expand(-1, -1, -1, v.shape[-1]))
+    assert torch.equal(out, expect)
+    weights = multihead.attention_weights(q, k, scale=2.0 ** 64)
+    assert torch.equal(weights, torch.nn.functional.one_hot(best, k.shape[2]).to(dtype))
