@@ -332,3 +332,24 @@ def test_compiled_module_with_inductor_matches_float64_oracle():
             out = f(x)
         assert_agrees("module compiled by inductor", out, {}, oracle, case.dtype)
     assert _graph_breaks() == 0, dict(counters["graph_break"])
+
+
+def test_chunked_is_routed_around_under_compile_and_explain_dispatch_says_so(monkeypatch):
+    """Where eager ``auto`` picks chunked (sdpa's dense-mask budget set to 0 here), the compiled
+    call runs the next backend in one graph (no break) with the oracle's values, and
+    ``explain_dispatch(compiling=True)`` names the reason; chunked asked for by name refuses."""
+    from multihead.backends import sdpa
+    monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
+    case = _case("window")
+    mask = combine(case.parts)
+    assert multihead.explain_dispatch(case.q, case.k, case.v, mask).backend == "chunked"
+    under = multihead.explain_dispatch(case.q, case.k, case.v, mask, compiling=True)
+    assert under.backend == "reference" and "torch.compile" in under.refused["chunked"]
+    with pytest.raises(Exception, match="torch.compile"):
+        _compiled(lambda q, k, v: multihead.attention(q, k, v, mask, backend="chunked"), backend="eager")(
+            case.q, case.k, case.v)
+    f = _compiled(lambda q, k, v: multihead.attention(q, k, v, mask))
+    with torch.no_grad():
+        out = f(case.q, case.k, case.v)
+    assert_agrees("compiled auto at a chunked size", out, {}, _oracle("window"), case.dtype)
+    assert _graph_breaks() == 0, dict(counters["graph_break"])

@@ -158,10 +158,13 @@ def attention_weights(
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
 
 
-def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False) -> _backends.Dispatch:
+def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False,
+                     compiling: Optional[bool] = None) -> _backends.Dispatch:
     """Which backend ``backend="auto"`` would run for this call, how, and why each other was refused.
 
     ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).
+    ``compiling=True`` asks what ``auto`` runs inside ``torch.compile`` (default: whether this
+    call is itself being compiled); there ``chunked`` is routed around.
     ``Dispatch.how`` says how the chosen backend runs the call where it can tell: for ``sdpa``,
     the kernel torch will run (its math kernel, with its reason and dense scores, or a fused one)
     and the mask tensor it gets (a bias stays float32 beside float16/bfloat16 inputs).
@@ -171,4 +174,4 @@ def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights
     size (Lq, Lk) is built.
     """
     m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
-    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights)))
+    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights), compiling))

@@ -36,6 +36,12 @@ class Call:
     mask: Optional[Mask]
     dropout_p: float
     need_weights: bool = False
+    #: whether the call is traced by torch.compile (None: ask ``torch.compiler.is_compiling()``)
+    compiling: Optional[bool] = None
+
+    @property
+    def under_compile(self) -> bool:
+        return torch.compiler.is_compiling() if self.compiling is None else self.compiling
 
 
 @dataclass(frozen=True)

@@ -657,6 +657,10 @@ def _refuses(call: Call) -> Optional[str]:
                 "forward's random mask again; use 'sdpa' or 'reference'")
     if call.need_weights:
         return "it does not return the attention weights (only 'reference' does)"
+    if call.under_compile:
+        return ("inside torch.compile its tiles branch on the data (shifts redone, rows without a "
+                "visible key) and run on Python threads, which dynamo cannot trace; 'auto' runs sdpa "
+                "or reference there")
     return None
 
 

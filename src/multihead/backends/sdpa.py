@@ -204,6 +204,8 @@ def _auto_declines(call: Call) -> Optional[str]:
     # and the math kernel's scores with a backward and dropout; within the budget, plan nothing
     if math.prod((*call.q.shape[:3], call.k.shape[2])) * (1 + c + c * (MATH_SCORE_COPIES + 2)) <= budget:
         return None
+    if call.under_compile:
+        return _dense_mask_over_budget(call, budget)
     p = plan(call)
     if p.dense_bytes <= budget:
         return None
@@ -214,6 +216,20 @@ def _auto_declines(call: Call) -> Optional[str]:
                 f"with dense scores of {_size(p.scores_bytes)}{mask}, {over}")
     return (f"its dense mask {call.mask!r} of shape {call.mask.dense_shape((*call.q.shape[:3], call.k.shape[2]))} "
             f"would take {_size(p.mask_bytes)}, {over}")
+
+
+def _dense_mask_over_budget(call: Call, budget: int) -> Optional[str]:
+    """Inside torch.compile, where torch's kernel chooser cannot be asked (it returns an int, which
+    dynamo cannot trace), only the dense mask is budgeted: the compiler picks the kernel."""
+    shape = (*call.q.shape[:3], call.k.shape[2])
+    if call.mask is None or _is_kernel_causal(call.mask, shape):
+        return None
+    dense = call.mask.dense_shape(shape)
+    need = math.prod(dense) * (1 + compute_dtype(call.q.dtype).itemsize)
+    if need <= budget:
+        return None
+    return (f"its dense mask {call.mask!r} of shape {dense} would take {_size(need)}, "
+            f"over sdpa.DENSE_MASK_BUDGET_BYTES = {_size(budget)} (inside torch.compile: the mask alone is budgeted)")
 
 
 def _describe(call: Call) -> str:
