@@ -353,3 +353,16 @@ def test_chunked_is_routed_around_under_compile_and_explain_dispatch_says_so(mon
         out = f(case.q, case.k, case.v)
     assert_agrees("compiled auto at a chunked size", out, {}, _oracle("window"), case.dtype)
     assert _graph_breaks() == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("cross,causal", MODULE_CASES)
+def test_exported_module_matches_float64_oracle(cross, causal):
+    """``torch.export.export`` of the module (self-, cross-attention, GQA): the exported program
+    gives the module's values (within the oracle's rule)."""
+    case = _module_case(cross, causal)
+    mha = case.build(backend="auto").eval()
+    leaves = {n: t.detach() for n, t in case.inputs(case.dtype)[0].items()}
+    program = torch.export.export(mha, case.args(leaves))
+    with torch.no_grad():
+        out = program.module()(*case.args(leaves))
+    assert_agrees(f"exported module {cross}", out, {}, _module_oracle(cross, causal), case.dtype)
