@@ -7,7 +7,7 @@ Dv value head dim.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -19,12 +19,18 @@ from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .backends import sdpa as _sdpa
 from .heads import repeat_kv
-from .masks import as_mask
+from .backends import BackendName
+from .masks import Mask, MaskLike, as_mask
+
+#: query heads or positions to select: a sequence of ints or a 1-D integer tensor
+Indices = Union[Sequence[int], torch.Tensor]
 
 __all__ = ["attention", "attention_weights", "explain_dispatch"]
 
 
-def _prepare(q, k, v, mask, scale, dropout_p):
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: Optional[float], dropout_p: float
+) -> tuple[Optional[Mask], float, float]:
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[-1])
     dropout_p = check_dropout(dropout_p)
@@ -38,11 +44,11 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask=None,
+    mask: MaskLike = None,
     *,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    backend: str = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Scaled dot-product attention over heads, with grouped-query support.
 
@@ -71,7 +77,16 @@ def attention(
     return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
 
 
-def attend(q, k, v, mask, *, scale: float, dropout_p: float, backend: str = "auto") -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[Mask],
+    *,
+    scale: float,
+    dropout_p: float,
+    backend: str = "auto",
+) -> torch.Tensor:
     """The trusted core behind :func:`attention` and the module: resolve the backend and run it.
 
     Arguments arrive validated (``mask`` a Mask or None, ``scale`` a float) and, inside an
@@ -107,14 +122,24 @@ def warn_once_if_dense_weights_are_large(q: torch.Tensor, k: torch.Tensor) -> No
     )
 
 
-def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
+def attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
     return attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
 
 
-def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tuple:
+def attend_with_weights(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The trusted core behind :func:`attention_with_weights` and ``return_weights=True``:
     the reference backend, which alone returns the weights it applied. Inputs as for :func:`attend`."""
     warn_once_if_dense_weights_are_large(q, k)
@@ -128,11 +153,11 @@ def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tup
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
-    mask=None,
+    mask: MaskLike = None,
     *,
     scale: Optional[float] = None,
-    heads=None,
-    rows=None,
+    heads: Optional[Indices] = None,
+    rows: Optional[Indices] = None,
 ) -> torch.Tensor:
     """The softmax probabilities (B, H, Lq, Lk) for q (B, H, Lq, D) and k (B, Hkv, Lk, D).
 
@@ -158,7 +183,15 @@ def attention_weights(
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
 
 
-def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False) -> _backends.Dispatch:
+def explain_dispatch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> _backends.Dispatch:
     """Which backend ``backend="auto"`` would run for this call, how, and why each other was refused.
 
     ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).

@@ -16,14 +16,18 @@ Dv value head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
 from .. import trace as _trace
 from ..masks import Mask
 
-__all__ = ["Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
+#: The registered backends' names, for type checkers; at run time any registered name (a
+#: backend added with `register` included) is accepted, and an unknown one is a ValueError.
+BackendName = Literal["auto", "reference", "sdpa", "chunked"]
+
+__all__ = ["BackendName", "Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Dispatch:
     other one was not chosen."""
 
     backend: str
-    refused: dict
+    refused: dict[str, str]
     how: str = ""
 
     def __str__(self) -> str:
@@ -98,7 +102,7 @@ def _why_not(backend: Backend, call: Call) -> Optional[str]:
 
 
 def explain_dispatch_call(call: Call) -> Dispatch:
-    refused: dict = {}
+    refused: dict[str, str] = {}
     chosen = None
     for name in AUTO_ORDER:
         why = _why_not(_REGISTRY[name], call)
