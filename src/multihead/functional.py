@@ -52,25 +52,47 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention over heads, with grouped-query support.
 
+    >>> import torch, multihead
+    >>> from multihead import masks
+    >>> q = torch.randn(2, 4, 5, 8)                    # (B, H, Lq, D)
+    >>> k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)   # 2 key/value heads: GQA
+    >>> multihead.attention(q, k, v, mask=masks.causal()).shape
+    torch.Size([2, 4, 5, 8])
+
+    Equivalent to (plain torch, no dropout; the ``reference`` backend):
+
+    >>> def reference(q, k, v, keep=None, bias=None, scale=None):
+    ...     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ...     g = q.shape[1] // k.shape[1]                       # query heads per key/value head
+    ...     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    ...     scores = q @ k.transpose(-2, -1) * scale
+    ...     if bias is not None:
+    ...         scores = scores + bias
+    ...     if keep is not None:
+    ...         scores = scores.masked_fill(~keep, float("-inf"))
+    ...     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)   # a row with no key gives 0
+    ...     return weights @ v
+    >>> keep = torch.ones(5, 5, dtype=torch.bool).tril()            # causal, Lq == Lk
+    >>> torch.allclose(multihead.attention(q, k, v, mask=keep), reference(q, k, v, keep), atol=1e-6)
+    True
+
     Args:
         q: (B, H, Lq, D) queries.
         k: (B, Hkv, Lk, D) keys; Hkv divides H (query head i reads key/value head i // (H // Hkv)).
         v: (B, Hkv, Lk, Dv) values.
-        mask: None; a :mod:`multihead.masks` mask (``causal()``, ``key_padding(keep)``, ``window(w)``,
+        mask: None; a `multihead.masks` mask (``causal()``, ``key_padding(keep)``, ``window(w)``,
             ``keep(t)``, ``bias(t)`` or their ``&``); a bool tensor (True = may attend) or a float
             tensor (added to the scores), broadcastable to (B, H, Lq, Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
-        backend: "auto", "reference", "sdpa", "chunked" (see :func:`multihead.backends.names`);
+        backend: "auto", "reference", "sdpa", "chunked" (see `multihead.backends.names`);
             ``explain_dispatch`` says which one "auto" runs and why.
 
     Returns:
         (B, H, Lq, Dv). A query row with no visible key gives 0.
 
-    Equivalent to (the ``reference`` backend)::
-
-        weights = softmax((q @ k.transpose(-2, -1)) * scale + bias, masked to -inf where not keep)
-        out = dropout(weights) @ v
+    With ``dropout_p > 0`` the weights pass through ``torch.dropout(weights, dropout_p, True)``
+    before ``@ v``.
     """
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
@@ -87,10 +109,10 @@ def attend(
     dropout_p: float,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """The trusted core behind :func:`attention` and the module: resolve the backend and run it.
+    """The trusted core behind `attention` and the module: resolve the backend and run it.
 
     Arguments arrive validated (``mask`` a Mask or None, ``scale`` a float) and, inside an
-    autocast region, already in autocast's dtype (:func:`multihead._numerics.autocast_inputs`);
+    autocast region, already in autocast's dtype (`multihead._numerics.autocast_inputs`);
     the backend itself runs with autocast off, so that it computes as it documents (scores and
     softmax in float32 for half inputs, biases at their own precision) in and out of autocast.
     """
@@ -140,8 +162,8 @@ def attention_with_weights(
 def attend_with_weights(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trusted core behind :func:`attention_with_weights` and ``return_weights=True``:
-    the reference backend, which alone returns the weights it applied. Inputs as for :func:`attend`."""
+    """The trusted core behind `attention_with_weights` and ``return_weights=True``:
+    the reference backend, which alone returns the weights it applied. Inputs as for `attend`."""
     warn_once_if_dense_weights_are_large(q, k)
     tr = _trace.current()
     if tr is not None:
@@ -160,6 +182,16 @@ def attention_weights(
     rows: Optional[Indices] = None,
 ) -> torch.Tensor:
     """The softmax probabilities (B, H, Lq, Lk) for q (B, H, Lq, D) and k (B, Hkv, Lk, D).
+
+    >>> import torch, multihead
+    >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    >>> w = multihead.attention_weights(q, k, multihead.masks.causal())
+    >>> w.shape, w[0, 0, 0].tolist()                   # the first query sees only key 0
+    (torch.Size([1, 2, 3, 3]), [1.0, 0.0, 0.0])
+    >>> torch.allclose(w.sum(-1), torch.ones(1, 2, 3))
+    True
+    >>> multihead.attention_weights(q, k, heads=[1], rows=[2]).shape   # a slice, at any L
+    torch.Size([1, 1, 1, 3])
 
     Rows sum to 1 where any key is visible and are all 0 where none is.
 

@@ -8,7 +8,7 @@ torch SDPA               True = may attend                 added to the scores
 nn.MultiheadAttention    True = **blocked** (opposite)     added to the scores
 =======================  ================================  ==============================
 
-Convert nn.MultiheadAttention's masks once, with :func:`from_torch`.
+Convert nn.MultiheadAttention's masks once, with `from_torch`.
 
 Every mask here is a small object that knows how to build its tensors for given lengths, so
 structure (causal, a window) is kept until a backend decides how to use it. Masks compose
@@ -18,7 +18,7 @@ with ``&``:
 * bias & keep  -> the bias where allowed, no attention elsewhere;
 * bias & bias  -> the sum of the biases.
 
-A plain bool tensor passed as ``mask`` means :func:`keep`; a float tensor means :func:`bias`.
+A plain bool tensor passed as ``mask`` means `keep`; a float tensor means `bias`.
 
 Alignment when Lq != Lk (example Lq=2, Lk=5; rows are queries, columns keys)::
 
@@ -34,9 +34,9 @@ those rows give output 0 and weights 0.
 
 A row that no key is left to attend to gives output 0 and weights 0 in every backend.
 
-Block-wise use (the ``chunked`` backend): :meth:`Mask.key_span` says which keys a run of queries
+Block-wise use (the ``chunked`` backend): `Mask.key_span` says which keys a run of queries
 can see at all (from the structural parts, causal and window), so whole blocks outside it are
-never computed; :meth:`Mask.block` builds the tensors of one (query block, key block) tile only,
+never computed; `Mask.block` builds the tensors of one (query block, key block) tile only,
 never the full (Lq, Lk) mask, and nothing at all for a structural part that allows the whole tile.
 
 Legend: B batch, H query heads, Lq/Lk query/key lengths.
@@ -126,7 +126,7 @@ class Mask:
         """Keys ``[lo, hi)`` that queries ``q0 .. q1-1`` may see at most (``lo >= hi``: none).
 
         Only the structural parts (causal, window) narrow the span; a tensor part may hide more
-        keys inside it, which :meth:`block` then masks.
+        keys inside it, which `block` then masks.
         """
         lo, hi = 0, lk
         for part in self.parts:
@@ -154,7 +154,7 @@ class Mask:
         return MaskTensors(keep_t, bias_t)
 
     def dense_shape(self, shape: Shape) -> tuple[int, ...]:
-        """Shape of the tensor :meth:`materialize` would build for ``shape`` = (B, H, Lq, Lk),
+        """Shape of the tensor `materialize` would build for ``shape`` = (B, H, Lq, Lk),
         computed without building it: a causal or window part alone is (Lq, Lk)."""
         shapes = (part._dense_shape(tuple(shape)) for part in self.parts)
         return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -185,7 +185,7 @@ class Mask:
     def _build_block(
         self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
     ) -> _Built:
-        """Default for tensor leaves: slice what :meth:`_build` returns (a view, no copy)."""
+        """Default for tensor leaves: slice what `_build` returns (a view, no copy)."""
         keep_t, bias_t = self._build(shape, device=device, dtype=dtype)
         return _tile(keep_t, q0, q1, k0, k1), _tile(bias_t, q0, q1, k0, k1)
 
@@ -481,31 +481,70 @@ def split_additive(mask: Optional[Mask], shape: Shape) -> tuple[Optional[Mask], 
 
 
 def causal(align: str = "bottom_right") -> Mask:
-    """Causal mask; ``align`` is ``"bottom_right"`` (default) or ``"top_left"`` when Lq != Lk."""
+    """Causal mask; ``align`` is ``"bottom_right"`` (default) or ``"top_left"`` when Lq != Lk.
+
+    >>> import torch
+    >>> from multihead import masks
+    >>> m = masks.causal()
+    >>> m.materialize((1, 1, 2, 4), device=torch.device("cpu"), dtype=torch.float32).keep.int().tolist()
+    [[1, 1, 1, 0], [1, 1, 1, 1]]
+    >>> masks.causal("top_left").materialize((1, 1, 2, 4), device=torch.device("cpu"),
+    ...                                      dtype=torch.float32).keep.int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0]]
+    """
     return Causal(align)
 
 
 def window(left: Optional[int], right: Optional[int] = 0, *, align: str = "bottom_right") -> Mask:
-    """Local attention: query i sees keys i-left ... i+right (aligned like :func:`causal`).
+    """Local attention: query i sees keys i-left ... i+right (aligned like `causal`).
 
     ``window(w)`` is a causal sliding window of w past keys plus the query's own position;
     ``None`` on a side means unlimited.
+
+    >>> import torch
+    >>> from multihead import masks
+    >>> t = masks.window(1).materialize((1, 1, 4, 4), device=torch.device("cpu"), dtype=torch.float32)
+    >>> t.keep.int().tolist()                          # each query: its previous key and itself
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     """
     return Window(left, right, align)
 
 
 def key_padding(keep_t: torch.Tensor) -> Mask:
-    """Bool (B, Lk), True for real tokens: padded keys get no attention."""
+    """Bool (B, Lk), True for real tokens: padded keys get no attention.
+
+    >>> import torch, multihead
+    >>> real = torch.tensor([[True, True, False]])     # (B, Lk): the last key is padding
+    >>> q = k = v = torch.randn(1, 2, 3, 4)
+    >>> w = multihead.attention_weights(q, k, multihead.masks.key_padding(real) & multihead.masks.causal())
+    >>> w[0, 0, :, 2].tolist()                         # no query attends to the padding key
+    [0.0, 0.0, 0.0]
+    """
     return KeyPadding(keep_t)
 
 
 def keep(t: torch.Tensor) -> Mask:
-    """Bool tensor broadcastable to (B, H, Lq, Lk): True = may attend."""
+    """Bool tensor broadcastable to (B, H, Lq, Lk): True = may attend.
+
+    >>> import torch, multihead
+    >>> q = k = v = torch.randn(1, 1, 2, 4)
+    >>> allowed = torch.tensor([[True, False], [True, True]])          # (Lq, Lk)
+    >>> torch.equal(multihead.attention(q, k, v, mask=multihead.masks.keep(allowed)),
+    ...             multihead.attention(q, k, v, mask=allowed))      # a bool tensor means keep()
+    True
+    """
     return Keep(t)
 
 
 def bias(t: torch.Tensor) -> Mask:
-    """Float tensor broadcastable to (B, H, Lq, Lk), added to the scaled scores."""
+    """Float tensor broadcastable to (B, H, Lq, Lk), added to the scaled scores.
+
+    >>> import torch, multihead
+    >>> q = k = torch.zeros(1, 1, 2, 4)                # equal scores: the bias alone decides
+    >>> b = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]])
+    >>> multihead.attention_weights(q, k, multihead.masks.bias(b))[0, 0].tolist()
+    [[1.0, 0.0], [0.5, 0.5]]
+    """
     return Bias(t)
 
 
