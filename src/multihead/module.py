@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 from operator import attrgetter
-from typing import Mapping, Optional
+from typing import Literal, Mapping, Optional, Union, overload
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.types import Device
 
 from . import functional as _functional
 from . import masks as _masks
@@ -45,6 +46,7 @@ from . import trace as _trace
 from ._checks import check_module_inputs
 from ._numerics import default_scale
 from .integrations.torch_mha import load_torch_state_dict
+from .backends import BackendName
 from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
@@ -112,13 +114,13 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         causal: bool = False,
-        backend: str = "auto",
-        rope=False,
+        backend: BackendName = "auto",
+        rope: Union[bool, RoPE] = False,
         rope_base: float = 10000.0,
         rope_scaling: Optional[RoPEScaling] = None,
-        device=None,
-        dtype=None,
-    ):
+        device: Device = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__()
         rope_obj = rope if isinstance(rope, RoPE) else None
         if rope_obj is not None:
@@ -148,7 +150,8 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: AttentionConfig, weights: Optional[Mapping[str, torch.Tensor]] = None, *, device=None, dtype=None
+        cls, config: AttentionConfig, weights: Optional[Mapping[str, torch.Tensor]] = None, *,
+        device: Device = None, dtype: Optional[torch.dtype] = None,
     ) -> "MultiHeadAttention":
         """The module of ``config``, holding copies of ``weights``.
 
@@ -278,16 +281,34 @@ class MultiHeadAttention(nn.Module):
             m = self._causal_mask if m is None else self._causal_mask & m
         return m
 
+    @overload
+    def forward(
+        self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
+        mask: _masks.MaskLike = None, return_weights: Literal[False] = False, cache: Optional[KVCache] = None,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
+        mask: _masks.MaskLike = None, return_weights: Literal[True], cache: Optional[KVCache] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(
+        self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
+        mask: _masks.MaskLike = None, return_weights: bool = False, cache: Optional[KVCache] = None,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
     def forward(
         self,
         query: torch.Tensor,
         key: Optional[torch.Tensor] = None,
         value: Optional[torch.Tensor] = None,
         *,
-        mask=None,
+        mask: _masks.MaskLike = None,
         return_weights: bool = False,
         cache: Optional[KVCache] = None,
-    ):
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attend from ``query`` to ``key``/``value``.
 
         Args:
@@ -434,12 +455,12 @@ class MultiHeadAttention(nn.Module):
         state_dict names of ``config.weight_shapes()``."""
         return {name: attrgetter(name)(self).detach() for name in self.config.weight_shapes()}
 
-    def to_per_head(self):
+    def to_per_head(self) -> _per_head.PerHeadAttention:
         """The same layer as h independent heads (:class:`multihead.PerHeadAttention`)."""
         return _per_head.to_per_head(self.config, self._weights()).train(self.training)
 
     @classmethod
-    def from_per_head(cls, p, *, num_kv_heads: Optional[int] = None) -> "MultiHeadAttention":
+    def from_per_head(cls, p: _per_head.PerHeadAttention, *, num_kv_heads: Optional[int] = None) -> "MultiHeadAttention":
         """Fuse a :class:`PerHeadAttention` back; with ``num_kv_heads`` its K/V copies are regrouped."""
         return cls.from_config(*_per_head.from_per_head(p, num_kv_heads=num_kv_heads)).train(p.training)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.types import Device
 
 from ._checks import check_positive_int, check_tensor
 
@@ -191,7 +192,9 @@ class RoPE:
         scaling = "" if self.scaling is None else f", scaling={self.scaling}"
         return f"RoPE(head_dim={self.head_dim}, base={self.base:g}{scaling})"
 
-    def cos_sin(self, length: int, *, offset: int = 0, device=None, dtype=torch.float32):
+    def cos_sin(
+        self, length: int, *, offset: int = 0, device: Device = None, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables (length, D) for positions ``offset ... offset + length - 1``."""
         end = offset + length
         key = (torch.device(device) if device is not None else torch.device("cpu"), dtype)

@@ -138,7 +138,9 @@ def attend(
     return out.to(q.dtype), weights.to(q.dtype)
 
 
-def reference_attention(q, k, v, mask, *, scale, dropout_p):
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
+) -> torch.Tensor:
     return attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
 
 
