@@ -4,7 +4,7 @@
 takes (projections, the head split, scores, mask, softmax, ...), with its shape, axis names,
 einops-style pattern, whether it moved data, and checks computed on the tensors.
 
-Recording stays out of the math: the forward pass asks :func:`current` once per function and
+Recording stays out of the math: the forward pass asks `current` once per function and
 records only when a trace is active. With no trace active that is the only cost.
 """
 
@@ -75,7 +75,7 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Trace:
-    """The record of one or more forward passes. Use through :func:`trace`."""
+    """The record of one or more forward passes. Use through `trace`."""
 
     def __init__(self, *, keep_values: bool = True):
         self.keep_values = keep_values
@@ -191,6 +191,13 @@ def trace(*, keep_values: bool = True) -> Trace:
     """Record the steps of every multihead forward pass run inside the ``with`` block.
 
     ``keep_values=False`` records shapes and checks only (no tensor copies).
+
+    >>> import torch, multihead
+    >>> mha = multihead.MultiHeadAttention(16, 2)
+    >>> with multihead.trace() as tr:
+    ...     out = mha(torch.randn(1, 3, 16))
+    >>> tr.all_checks_hold, tr.step("input").label
+    (True, 'input')
     """
     if not isinstance(keep_values, bool):
         raise TypeError(f"keep_values must be True or False, got {keep_values!r}")

@@ -1,12 +1,12 @@
 """Attention backends behind one signature, in a small registry.
 
 Every backend is a function ``fn(q, k, v, mask, *, scale, dropout_p) -> out`` with
-q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a :class:`multihead.masks.Mask`
+q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a `multihead.masks.Mask`
 or None, and out (B, H, Lq, Dv). Inputs arrive validated. Each backend also says, for a given
 call, why it cannot take it (or None when it can), and may say why ``"auto"`` should not pick it
 although it could (too slow or too much memory for this call: ``auto_declines``). ``"auto"``
-picks the first backend in :data:`AUTO_ORDER` that neither refuses nor declines the call, and
-:func:`explain_dispatch` reports every reason, and how the chosen backend will run the call when it
+picks the first backend in `AUTO_ORDER` that neither refuses nor declines the call, and
+`explain_dispatch` reports every reason, and how the chosen backend will run the call when it
 can say (``describe``); a backend named explicitly runs unless it refuses.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
