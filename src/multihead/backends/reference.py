@@ -94,7 +94,7 @@ def attention_probs(
     return weights
 
 
-def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor) -> dict:
+def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor) -> dict[str, bool]:
     blocked = scores == _NEG_INF
     visible_rows = ~blocked.all(dim=-1)
     sums = weights.sum(dim=-1)
