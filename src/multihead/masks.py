@@ -204,9 +204,9 @@ class AllOf(Mask):
         return " & ".join(repr(p) for p in self._parts)
 
 
-#: What ``mask=`` takes everywhere: a mask of this module, a bool tensor (True = may attend,
-#: as `keep`), a float tensor (added to the scores, as `bias`), or None (no mask).
 MaskLike = Union[Mask, torch.Tensor, None]
+"""What ``mask=`` takes everywhere (the type of that argument): a mask of this module, a bool
+tensor (True = may attend, as `keep`), a float tensor (added to the scores, as `bias`), or None."""
 
 
 @overload

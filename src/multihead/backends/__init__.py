@@ -23,9 +23,9 @@ import torch
 from .. import trace as _trace
 from ..masks import Mask
 
-#: The registered backends' names, for type checkers; at run time any registered name (a
-#: backend added with `register` included) is accepted, and an unknown one is a ValueError.
 BackendName = Literal["auto", "reference", "sdpa", "chunked"]
+"""The built-in backends' names, the type of ``backend=``; at run time any registered name (a
+backend added with `register` included) is accepted, and an unknown one is a ValueError."""
 
 __all__ = ["BackendName", "Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
 
