@@ -11,9 +11,9 @@ attends over everything written so far::
 
 Two kinds, one interface (``len``, ``crop``, ``reorder``, ``select``, ``reset``):
 
-* :class:`KVCache` (eager decoding): its length is a Python int and a step attends over the
+* `KVCache` (eager decoding): its length is a Python int and a step attends over the
   filled part only (``key[:, :, :length]``), the cheapest step in eager mode.
-* :class:`StaticKVCache` (``torch.compile``): its length is a 0-d tensor; a step writes with
+* `StaticKVCache` (``torch.compile``): its length is a 0-d tensor; a step writes with
   ``index_copy_`` at that position and attends over the whole buffer, keys after the position
   masked, so every decode step has the same shapes and a compiled model does not recompile as
   the cache grows.
@@ -26,15 +26,15 @@ each row's real tokens only (row b's first real token is position 0, as ``genera
 
 **Generation tools.** ``crop(n)`` keeps the first n tokens (speculative decoding rejects drafted
 ones), ``reorder(index)`` permutes or duplicates the batch rows (beam search), ``select(rows)``
-keeps some rows (finished sequences leave the batch). :meth:`KVCache.layers` builds one cache per
-layer in a :class:`KVCaches`, which applies these to every layer at once.
+keeps some rows (finished sequences leave the batch). `KVCache.layers` builds one cache per
+layer in a `KVCaches`, which applies these to every layer at once.
 
 The buffers are allocated once, on the first write, at their full size (B, Hkv, max_len, D);
 a write copies the new entries into place, so a step costs O(new tokens) writes (no O(n²)
 re-concatenation). With grouped-query attention (``num_kv_heads`` = Hkv < H) the cache holds
 only the Hkv key/value heads: its memory is Hkv/H of a cache of all H heads (multi-query
 attention, Hkv = 1: 1/H). Memory = 2 · B · Hkv · max_len · D · bytes per element
-(see :attr:`KVCache.nbytes`).
+(see `KVCache.nbytes`).
 
 The caches are for inference: run decoding under ``torch.no_grad()`` or ``torch.inference_mode()``.
 Appending tensors that require grad raises, because the in-place writes of later steps would
@@ -81,6 +81,17 @@ def _check_keep(keep, max_len: int) -> Optional[torch.Tensor]:
 class KVCache:
     """A preallocated key/value store for one attention layer (eager decoding).
 
+    >>> import torch, multihead
+    >>> mha = multihead.MultiHeadAttention(16, 4, causal=True).eval()
+    >>> x = torch.randn(1, 6, 16)                      # a prompt of 5 tokens, then 1 more
+    >>> cache = multihead.KVCache(max_len=8)
+    >>> with torch.no_grad():                          # decoding is inference
+    ...     prompt = mha(x[:, :5], cache=cache)        # prefill: 5 tokens written
+    ...     step = mha(x[:, 5:], cache=cache)          # decode: the 6th attends to all 6
+    ...     full = mha(x)
+    >>> len(cache), torch.allclose(step, full[:, 5:], atol=1e-5)
+    (6, True)
+
     Args:
         max_len: the most tokens it can hold (prompt plus generated).
         keep: optional (B, P) bool, True for the real tokens of the prompt, False for its
@@ -91,7 +102,7 @@ class KVCache:
         max_len: capacity in tokens.
         length: tokens written so far (also ``len(cache)``), the same for every row.
         key, value: the whole buffers (B, Hkv, max_len, D) and (B, Hkv, max_len, Dv), or None
-            before the first append; :attr:`keys` / :attr:`values` are the filled part.
+            before the first append; `keys` / `values` are the filled part.
         keep: (B, max_len) bool, True where a column holds a real token (None without ``keep``).
         positions: (B, max_len) int64, the rotary position of each column of each row: the
             number of real tokens before it (None without ``keep``: column t is position t).
@@ -110,7 +121,7 @@ class KVCache:
 
     @classmethod
     def layers(cls, num_layers: int, max_len: int, *, keep: Optional[torch.Tensor] = None) -> "KVCaches":
-        """``num_layers`` caches of this kind, one per attention layer, in a :class:`KVCaches`."""
+        """``num_layers`` caches of this kind, one per attention layer, in a `KVCaches`."""
         check_positive_int(num_layers, "num_layers")
         return KVCaches([cls(max_len, keep=keep) for _ in range(num_layers)])
 
@@ -226,7 +237,7 @@ class KVCache:
             raise ValueError(f"{name} has {lo if lo < 0 else hi}, but the cache holds B={B} rows: use row indices 0 .. {B - 1}")
 
     def _reorder(self, index: torch.Tensor) -> None:
-        """Trusted: ``index`` checked by :meth:`_check_rows`."""
+        """Trusted: ``index`` checked by `_check_rows`."""
         self._writable()
         if self.key is not None and not self._fresh:
             for buf in (self.key, self.value):
@@ -237,7 +248,7 @@ class KVCache:
             self.positions.copy_(self.positions.index_select(0, index))
 
     def _select(self, index: torch.Tensor) -> None:
-        """Trusted: ``index`` checked by :meth:`_check_rows`."""
+        """Trusted: ``index`` checked by `_check_rows`."""
         if self.key is not None and not self._fresh:
             self.key, self.value = (self._take_rows(buf, index) for buf in (self.key, self.value))
         if self.keep is not None:
@@ -255,8 +266,8 @@ class KVCache:
 
         Returns:
             the keys and values to attend over, views of the buffers (valid until the next
-            write or reset): the filled part (B, Hkv, length, D) for :class:`KVCache`, the whole
-            buffers (B, Hkv, max_len, D) for :class:`StaticKVCache`.
+            write or reset): the filled part (B, Hkv, length, D) for `KVCache`, the whole
+            buffers (B, Hkv, max_len, D) for `StaticKVCache`.
 
         Raises:
             ValueError: when the cache would exceed ``max_len``, when the batch, head count,
@@ -366,10 +377,10 @@ class KVCache:
         self.value = torch.zeros((B, Hkv, self.max_len, v.shape[3]), dtype=v.dtype, device=v.device)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """Trusted write of k (B, Hkv, n, D), v (B, Hkv, n, Dv), after :meth:`_check_step`.
+        """Trusted write of k (B, Hkv, n, D), v (B, Hkv, n, Dv), after `_check_step`.
 
         Returns (keys, values, mask): what the n new tokens attend over, and the
-        :mod:`multihead.masks` mask of which keys each of them may see (None: all of them).
+        `multihead.masks` mask of which keys each of them may see (None: all of them).
         """
         self._check_layout(k, v)
         self._writable()
@@ -389,7 +400,7 @@ class KVCache:
 class StaticKVCache(KVCache):
     """A KV cache whose steps all have the same shapes, for ``torch.compile``.
 
-    Same constructor, attributes and tools as :class:`KVCache`; the difference is how a step
+    Same constructor, attributes and tools as `KVCache`; the difference is how a step
     runs. The length lives in a 0-d int64 tensor, the new entries are written with
     ``index_copy_`` at the columns ``length + arange(n)``, and every step attends over the whole
     buffers (B, Hkv, max_len, D) with a mask built from that tensor (query at column c sees the
@@ -405,7 +416,7 @@ class StaticKVCache(KVCache):
             for _ in range(steps):
                 y = mha(x_next, cache=cache)      # compiles once, then reuses the graph
 
-    Each step costs attention over ``max_len`` keys (eagerly, prefer :class:`KVCache`). Reading
+    Each step costs attention over ``max_len`` keys (eagerly, prefer `KVCache`). Reading
     ``len(cache)`` copies the length to the host; under compile, writing past ``max_len`` is
     caught by ``index_copy_`` itself (a RuntimeError), not by the ValueError of eager mode.
     """
@@ -471,7 +482,7 @@ class KVCaches:
 
     ``caches[i]`` is layer i's cache (pass it as ``cache=`` to that layer), ``len(caches)`` the
     tokens they hold, ``caches.num_layers`` how many there are. Build it with
-    :meth:`KVCache.layers` (or ``StaticKVCache.layers``)::
+    `KVCache.layers` (or ``StaticKVCache.layers``)::
 
         caches = multihead.KVCache.layers(len(blocks), max_len=512, keep=attention_mask.bool())
         for block, cache in zip(blocks, caches):
@@ -508,7 +519,7 @@ class KVCaches:
         return lengths[0]
 
     def crop(self, n: int) -> None:
-        """Every layer keeps its first ``n`` tokens (see :meth:`KVCache.crop`)."""
+        """Every layer keeps its first ``n`` tokens (see `KVCache.crop`)."""
         n = check_positive_int(n, "n", allow_zero=True)
         shortest = min(c.length for c in self.caches)
         if n > shortest:
@@ -517,14 +528,14 @@ class KVCaches:
             c.length = n
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Every layer's rows reordered by ``index`` (see :meth:`KVCache.reorder`)."""
+        """Every layer's rows reordered by ``index`` (see `KVCache.reorder`)."""
         for c in self.caches:
             c._check_rows(index, "index", same_batch=True)
         for c in self.caches:
             c._reorder(index)
 
     def select(self, batch_index: torch.Tensor) -> None:
-        """Every layer keeps the rows ``batch_index`` (see :meth:`KVCache.select`)."""
+        """Every layer keeps the rows ``batch_index`` (see `KVCache.select`)."""
         for c in self.caches:
             c._check_rows(batch_index, "batch_index", same_batch=False)
         for c in self.caches:

@@ -1,9 +1,9 @@
 """The module's settings: a small frozen dataclass, validated once, and the weights that go with it.
 
-A :class:`multihead.MultiHeadAttention` is fully described by ``(config, weights)``: its
-:class:`AttentionConfig` and a plain dict of tensors under its ``state_dict`` names
-(:meth:`AttentionConfig.weight_shapes`). The converters (:mod:`multihead.interop`,
-:mod:`multihead.hf`, :mod:`multihead.per_head`) exchange that pair and know nothing of the
+A `multihead.MultiHeadAttention` is fully described by ``(config, weights)``: its
+`AttentionConfig` and a plain dict of tensors under its ``state_dict`` names
+(`AttentionConfig.weight_shapes`). The converters (`multihead.interop`,
+`multihead.hf`, `multihead.per_head`) exchange that pair and know nothing of the
 module; ``MultiHeadAttention.from_config(config, weights)`` builds it.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,19 +30,26 @@ _PROJECTIONS = {
 }
 
 
+def _resolved(value: Optional[int]) -> int:
+    """A size field as `AttentionConfig.__post_init__` leaves it: an int (None is only ever passed in)."""
+    if value is None:
+        raise AttributeError("an AttentionConfig size is read before __post_init__ resolved it")
+    return value
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Settings of :class:`multihead.MultiHeadAttention`: its constructor's arguments, resolved.
+    """Settings of `multihead.MultiHeadAttention`: its constructor's arguments, resolved.
 
     d_in: query feature size. num_heads: H, query heads. d_out: H * head_dim (default d_in).
     num_kv_heads: Hkv key/value heads (default H; fewer = grouped-query attention, 1 = multi-query).
     kdim / vdim: feature sizes of the key and value inputs (default d_in).
     bias: projections have biases. dropout: on the attention weights, in training only.
     causal: apply a bottom-right causal mask. backend: see multihead.backends.names().
-    rope: rotate q and k by their positions (rotary embeddings, :class:`multihead.rope.RoPE`);
+    rope: rotate q and k by their positions (rotary embeddings, `multihead.rope.RoPE`);
     self-attention only, needs an even head_dim. rope_base: the RoPE frequency base.
-    rope_scaling: a :class:`multihead.rope.RoPEScaling` rule for the frequencies (rope=True only),
-    or None; a dict of its fields (as :meth:`to_dict` writes it) is read as one.
+    rope_scaling: a `multihead.rope.RoPEScaling` rule for the frequencies (rope=True only),
+    or None; a dict of its fields (as `to_dict` writes it) is read as one.
 
     Example::
 
@@ -64,20 +71,22 @@ class AttentionConfig:
     rope_base: float = 10000.0
     rope_scaling: Optional[RoPEScaling] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         set_ = object.__setattr__
         check_positive_int(self.d_in, "d_in")
         check_positive_int(self.num_heads, "num_heads")
-        set_(self, "d_out", self.d_in if self.d_out is None else check_positive_int(self.d_out, "d_out"))
-        set_(self, "num_kv_heads", self.num_heads if self.num_kv_heads is None else check_positive_int(self.num_kv_heads, "num_kv_heads"))
+        d_out = self.d_in if self.d_out is None else check_positive_int(self.d_out, "d_out")
+        num_kv_heads = self.num_heads if self.num_kv_heads is None else check_positive_int(self.num_kv_heads, "num_kv_heads")
+        set_(self, "d_out", d_out)
+        set_(self, "num_kv_heads", num_kv_heads)
         set_(self, "kdim", self.d_in if self.kdim is None else check_positive_int(self.kdim, "kdim"))
         set_(self, "vdim", self.kdim if self.vdim is None else check_positive_int(self.vdim, "vdim"))
-        if self.d_out % self.num_heads:
+        if d_out % self.num_heads:
             raise ValueError(
                 f"d_out={self.d_out} is not divisible by num_heads={self.num_heads}; "
                 f"choose d_out as a multiple of num_heads (head_dim = d_out // num_heads)"
             )
-        check_heads(self.num_heads, self.num_kv_heads, "num_heads", "num_kv_heads")
+        check_heads(self.num_heads, num_kv_heads, "num_heads", "num_kv_heads")
         set_(self, "dropout", check_dropout(self.dropout, "dropout"))
         if not isinstance(self.bias, bool):
             raise TypeError(f"bias must be True or False, got {self.bias!r}")
@@ -107,19 +116,19 @@ class AttentionConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_out // self.num_heads
+        return _resolved(self.d_out) // self.num_heads
 
     @property
     def kv_dim(self) -> int:
         """Output size of the key and value projections: Hkv * head_dim."""
-        return self.num_kv_heads * self.head_dim
+        return _resolved(self.num_kv_heads) * self.head_dim
 
     @property
     def groups(self) -> int:
         """Query heads per key/value head."""
-        return self.num_heads // self.num_kv_heads
+        return self.num_heads // _resolved(self.num_kv_heads)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (``rope_scaling`` as a dict or None): ``AttentionConfig(**d)`` reads it back."""
         return asdict(self)
 
@@ -137,13 +146,13 @@ class AttentionConfig:
                 parts.append(f"head_dim={self.head_dim}")
         return ", ".join(parts)
 
-    def weight_shapes(self) -> dict:
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The module's ``state_dict`` names and their shapes, in its order::
 
             q_proj.weight (d_out, d_in)    k_proj.weight (kv_dim, kdim)    v_proj.weight (kv_dim, vdim)
             out_proj.weight (d_out, d_out)  and with bias=True each ``.bias`` (out,)
         """
-        shapes = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         for name, axes in _PROJECTIONS.items():
             out, inp = (getattr(self, a) for a in axes)
             shapes[f"{name}.weight"] = (out, inp)
@@ -151,8 +160,8 @@ class AttentionConfig:
                 shapes[f"{name}.bias"] = (out,)
         return shapes
 
-    def check_weights(self, weights, name: str = "weights") -> dict:
-        """``weights`` as a plain dict in :meth:`weight_shapes` order, after checking that it has
+    def check_weights(self, weights: Mapping[str, torch.Tensor], name: str = "weights") -> dict[str, torch.Tensor]:
+        """``weights`` as a plain dict in `weight_shapes` order, after checking that it has
         exactly those names, each a floating tensor of that shape (ValueError/TypeError naming the
         key and the expected shape otherwise)."""
         if not isinstance(weights, Mapping):
@@ -190,7 +199,7 @@ class AttentionConfig:
         return {k: weights[k] for k in shapes}
 
 
-def _check_rope_scaling(scaling) -> Optional[RoPEScaling]:
+def _check_rope_scaling(scaling: object) -> Optional[RoPEScaling]:
     if scaling is None or isinstance(scaling, RoPEScaling):
         return scaling
     if isinstance(scaling, Mapping):

@@ -7,7 +7,7 @@ Dv value head dim.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -19,12 +19,18 @@ from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .backends import sdpa as _sdpa
 from .heads import repeat_kv
-from .masks import as_mask
+from .backends import BackendName
+from .masks import Mask, MaskLike, as_mask
+
+#: query heads or positions to select: a sequence of ints or a 1-D integer tensor
+Indices = Union[Sequence[int], torch.Tensor]
 
 __all__ = ["attention", "attention_weights", "explain_dispatch"]
 
 
-def _prepare(q, k, v, mask, scale, dropout_p):
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: Optional[float], dropout_p: float
+) -> tuple[Optional[Mask], float, float]:
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[-1])
     dropout_p = check_dropout(dropout_p)
@@ -38,44 +44,75 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask=None,
+    mask: MaskLike = None,
     *,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    backend: str = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Scaled dot-product attention over heads, with grouped-query support.
+
+    >>> import torch, multihead
+    >>> from multihead import masks
+    >>> q = torch.randn(2, 4, 5, 8)                    # (B, H, Lq, D)
+    >>> k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)   # 2 key/value heads: GQA
+    >>> multihead.attention(q, k, v, mask=masks.causal()).shape
+    torch.Size([2, 4, 5, 8])
+
+    Equivalent to (plain torch, no dropout; the ``reference`` backend):
+
+    >>> def reference(q, k, v, keep=None, bias=None, scale=None):
+    ...     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ...     g = q.shape[1] // k.shape[1]                       # query heads per key/value head
+    ...     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    ...     scores = q @ k.transpose(-2, -1) * scale
+    ...     if bias is not None:
+    ...         scores = scores + bias
+    ...     if keep is not None:
+    ...         scores = scores.masked_fill(~keep, float("-inf"))
+    ...     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)   # a row with no key gives 0
+    ...     return weights @ v
+    >>> keep = torch.ones(5, 5, dtype=torch.bool).tril()            # causal, Lq == Lk
+    >>> torch.allclose(multihead.attention(q, k, v, mask=keep), reference(q, k, v, keep), atol=1e-6)
+    True
 
     Args:
         q: (B, H, Lq, D) queries.
         k: (B, Hkv, Lk, D) keys; Hkv divides H (query head i reads key/value head i // (H // Hkv)).
         v: (B, Hkv, Lk, Dv) values.
-        mask: None; a :mod:`multihead.masks` mask (``causal()``, ``key_padding(keep)``, ``window(w)``,
+        mask: None; a `multihead.masks` mask (``causal()``, ``key_padding(keep)``, ``window(w)``,
             ``keep(t)``, ``bias(t)`` or their ``&``); a bool tensor (True = may attend) or a float
             tensor (added to the scores), broadcastable to (B, H, Lq, Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
-        backend: "auto", "reference", "sdpa", "chunked" (see :func:`multihead.backends.names`);
+        backend: "auto", "reference", "sdpa", "chunked" (see `multihead.backends.names`);
             ``explain_dispatch`` says which one "auto" runs and why.
 
     Returns:
         (B, H, Lq, Dv). A query row with no visible key gives 0.
 
-    Equivalent to (the ``reference`` backend)::
-
-        weights = softmax((q @ k.transpose(-2, -1)) * scale + bias, masked to -inf where not keep)
-        out = dropout(weights) @ v
+    With ``dropout_p > 0`` the weights pass through ``torch.dropout(weights, dropout_p, True)``
+    before ``@ v``.
     """
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
     return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
 
 
-def attend(q, k, v, mask, *, scale: float, dropout_p: float, backend: str = "auto") -> torch.Tensor:
-    """The trusted core behind :func:`attention` and the module: resolve the backend and run it.
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[Mask],
+    *,
+    scale: float,
+    dropout_p: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The trusted core behind `attention` and the module: resolve the backend and run it.
 
     Arguments arrive validated (``mask`` a Mask or None, ``scale`` a float) and, inside an
-    autocast region, already in autocast's dtype (:func:`multihead._numerics.autocast_inputs`);
+    autocast region, already in autocast's dtype (`multihead._numerics.autocast_inputs`);
     the backend itself runs with autocast off, so that it computes as it documents (scores and
     softmax in float32 for half inputs, biases at their own precision) in and out of autocast.
     """
@@ -107,16 +144,26 @@ def warn_once_if_dense_weights_are_large(q: torch.Tensor, k: torch.Tensor) -> No
     )
 
 
-def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
+def attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
     return attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
 
 
-def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tuple:
-    """The trusted core behind :func:`attention_with_weights` and ``return_weights=True``:
-    the reference backend, which alone returns the weights it applied. Inputs as for :func:`attend`."""
+def attend_with_weights(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trusted core behind `attention_with_weights` and ``return_weights=True``:
+    the reference backend, which alone returns the weights it applied. Inputs as for `attend`."""
     warn_once_if_dense_weights_are_large(q, k)
     tr = _trace.current()
     if tr is not None:
@@ -128,13 +175,23 @@ def attend_with_weights(q, k, v, mask, *, scale: float, dropout_p: float) -> tup
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
-    mask=None,
+    mask: MaskLike = None,
     *,
     scale: Optional[float] = None,
-    heads=None,
-    rows=None,
+    heads: Optional[Indices] = None,
+    rows: Optional[Indices] = None,
 ) -> torch.Tensor:
     """The softmax probabilities (B, H, Lq, Lk) for q (B, H, Lq, D) and k (B, Hkv, Lk, D).
+
+    >>> import torch, multihead
+    >>> q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    >>> w = multihead.attention_weights(q, k, multihead.masks.causal())
+    >>> w.shape, w[0, 0, 0].tolist()                   # the first query sees only key 0
+    (torch.Size([1, 2, 3, 3]), [1.0, 0.0, 0.0])
+    >>> torch.allclose(w.sum(-1), torch.ones(1, 2, 3))
+    True
+    >>> multihead.attention_weights(q, k, heads=[1], rows=[2]).shape   # a slice, at any L
+    torch.Size([1, 1, 1, 3])
 
     Rows sum to 1 where any key is visible and are all 0 where none is.
 
@@ -158,8 +215,16 @@ def attention_weights(
     return _reference.attention_probs(q, k, m, scale=scale).to(q.dtype)
 
 
-def explain_dispatch(q, k, v, mask=None, *, dropout_p: float = 0.0, need_weights: bool = False,
-                     compiling: Optional[bool] = None) -> _backends.Dispatch:
+def explain_dispatch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    compiling: Optional[bool] = None,
+) -> _backends.Dispatch:
     """Which backend ``backend="auto"`` would run for this call, how, and why each other was refused.
 
     ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).

@@ -33,7 +33,7 @@ from .integrations.torch_mha import multihead_to_torch, torch_to_multihead
 __all__ = ["from_torch", "to_torch"]
 
 
-def from_torch(m: nn.MultiheadAttention) -> tuple:
+def from_torch(m: nn.MultiheadAttention) -> tuple[AttentionConfig, dict[str, torch.Tensor]]:
     """``(config, weights)`` of an ``nn.MultiheadAttention`` (weights: views of its parameters).
 
     Raises:

@@ -8,7 +8,7 @@ torch SDPA               True = may attend                 added to the scores
 nn.MultiheadAttention    True = **blocked** (opposite)     added to the scores
 =======================  ================================  ==============================
 
-Convert nn.MultiheadAttention's masks once, with :func:`from_torch`.
+Convert nn.MultiheadAttention's masks once, with `from_torch`.
 
 Every mask here is a small object that knows how to build its tensors for given lengths, so
 structure (causal, a window) is kept until a backend decides how to use it. Masks compose
@@ -18,7 +18,7 @@ with ``&``:
 * bias & keep  -> the bias where allowed, no attention elsewhere;
 * bias & bias  -> the sum of the biases.
 
-A plain bool tensor passed as ``mask`` means :func:`keep`; a float tensor means :func:`bias`.
+A plain bool tensor passed as ``mask`` means `keep`; a float tensor means `bias`.
 
 Alignment when Lq != Lk (example Lq=2, Lk=5; rows are queries, columns keys)::
 
@@ -34,9 +34,9 @@ those rows give output 0 and weights 0.
 
 A row that no key is left to attend to gives output 0 and weights 0 in every backend.
 
-Block-wise use (the ``chunked`` backend): :meth:`Mask.key_span` says which keys a run of queries
+Block-wise use (the ``chunked`` backend): `Mask.key_span` says which keys a run of queries
 can see at all (from the structural parts, causal and window), so whole blocks outside it are
-never computed; :meth:`Mask.block` builds the tensors of one (query block, key block) tile only,
+never computed; `Mask.block` builds the tensors of one (query block, key block) tile only,
 never the full (Lq, Lk) mask, and nothing at all for a structural part that allows the whole tile.
 
 Legend: B batch, H query heads, Lq/Lk query/key lengths.
@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional, Sequence, Union, overload
 
 import torch
 
 __all__ = [
     "Mask",
+    "MaskLike",
     "MaskTensors",
     "causal",
     "window",
@@ -65,6 +66,11 @@ __all__ = [
 ]
 
 ALIGNMENTS = ("bottom_right", "top_left")
+
+#: (B, H, Lq, Lk), or any sequence of ints a mask is asked to apply to
+Shape = Sequence[int]
+#: what a leaf builds: its (keep, bias) tensors, either None
+_Built = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -82,26 +88,29 @@ def diagonal_offset(align: str, lq: int, lk: int) -> int:
 
 
 class Mask:
-    """Base class. Subclasses build their tensors in :meth:`materialize`."""
+    """Base class. Subclasses build their tensors in `materialize`."""
+
+    #: what a leaf is, for messages ("causal", "window", "keep", "bias", "padding", "torch")
+    kind: ClassVar[str]
 
     #: the parts this mask is made of (a leaf is its own only part)
     @property
     def parts(self) -> tuple["Mask", ...]:
         return (self,)
 
-    def __and__(self, other) -> "Mask":
-        other = as_mask(other, name="the right operand of &")
-        if other is None:
+    def __and__(self, other: MaskLike) -> "Mask":
+        right = as_mask(other, name="the right operand of &")
+        if right is None:
             return self
-        return AllOf(self.parts + other.parts)
+        return AllOf(self.parts + right.parts)
 
-    def __rand__(self, other) -> "Mask":
-        other = as_mask(other, name="the left operand of &")
-        if other is None:
+    def __rand__(self, other: MaskLike) -> "Mask":
+        left = as_mask(other, name="the left operand of &")
+        if left is None:
             return self
-        return AllOf(other.parts + self.parts)
+        return AllOf(left.parts + self.parts)
 
-    def materialize(self, shape, *, device, dtype) -> MaskTensors:
+    def materialize(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> MaskTensors:
         """Build the tensors for ``shape`` = (B, H, Lq, Lk); bias is cast to ``dtype``."""
         keep_t: Optional[torch.Tensor] = None
         bias_t: Optional[torch.Tensor] = None
@@ -117,7 +126,7 @@ class Mask:
         """Keys ``[lo, hi)`` that queries ``q0 .. q1-1`` may see at most (``lo >= hi``: none).
 
         Only the structural parts (causal, window) narrow the span; a tensor part may hide more
-        keys inside it, which :meth:`block` then masks.
+        keys inside it, which `block` then masks.
         """
         lo, hi = 0, lk
         for part in self.parts:
@@ -125,7 +134,9 @@ class Mask:
             lo, hi = max(lo, plo), min(hi, phi)
         return lo, hi
 
-    def block(self, q0: int, q1: int, k0: int, k1: int, shape, *, device, dtype) -> MaskTensors:
+    def block(
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+    ) -> MaskTensors:
         """The mask of the tile queries ``q0 .. q1-1`` x keys ``k0 .. k1-1`` of ``shape`` = (B, H, Lq, Lk).
 
         ``keep`` and ``bias`` are 4-D, broadcastable to (B, H, q1-q0, k1-k0), or None when no
@@ -142,36 +153,39 @@ class Mask:
                 bias_t = b if bias_t is None else bias_t + b
         return MaskTensors(keep_t, bias_t)
 
-    def dense_shape(self, shape) -> tuple[int, ...]:
-        """Shape of the tensor :meth:`materialize` would build for ``shape`` = (B, H, Lq, Lk),
+    def dense_shape(self, shape: Shape) -> tuple[int, ...]:
+        """Shape of the tensor `materialize` would build for ``shape`` = (B, H, Lq, Lk),
         computed without building it: a causal or window part alone is (Lq, Lk)."""
-        return tuple(torch.broadcast_shapes(*(part._dense_shape(tuple(shape)) for part in self.parts)))
+        shapes = (part._dense_shape(tuple(shape)) for part in self.parts)
+        return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
-    def check(self, shape, device, name: str = "mask") -> None:
+    def check(self, shape: Shape, device: torch.device, name: str = "mask") -> None:
         """Raise ValueError when this mask cannot apply to ``shape`` = (B, H, Lq, Lk) on ``device``."""
         for part in self.parts:
             part._check(tuple(shape), device, name)
 
     # -- for leaves
-    def _build(self, shape, *, device, dtype):  # pragma: no cover - abstract
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _check(self, shape, device, name) -> None:
+    def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         return None
 
-    def _key_span(self, q0, q1, lq, lk) -> tuple[int, int]:
+    def _key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         return 0, lk
 
-    def _dense_shape(self, shape) -> tuple[int, ...]:
+    def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         tensor = getattr(self, "tensor", None)
         return tuple(shape[-2:]) if tensor is None else tuple(tensor.shape)
 
-    def _additive_tensor(self, shape) -> Optional[torch.Tensor]:
+    def _additive_tensor(self, shape: Shape) -> Optional[torch.Tensor]:
         """For a part added to the scores: its float tensor as 4-D (B|1, H|1, Lq|1, Lk|1), else None."""
         return None
 
-    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
-        """Default for tensor leaves: slice what :meth:`_build` returns (a view, no copy)."""
+    def _build_block(
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+    ) -> _Built:
+        """Default for tensor leaves: slice what `_build` returns (a view, no copy)."""
         keep_t, bias_t = self._build(shape, device=device, dtype=dtype)
         return _tile(keep_t, q0, q1, k0, k1), _tile(bias_t, q0, q1, k0, k1)
 
@@ -179,18 +193,29 @@ class Mask:
 class AllOf(Mask):
     """Conjunction of masks built with ``&``."""
 
-    def __init__(self, parts):
+    def __init__(self, parts: Sequence[Mask]):
         self._parts = tuple(parts)
 
     @property
-    def parts(self):
+    def parts(self) -> tuple[Mask, ...]:
         return self._parts
 
     def __repr__(self) -> str:
         return " & ".join(repr(p) for p in self._parts)
 
 
-def _tile(t: Optional[torch.Tensor], q0, q1, k0, k1) -> Optional[torch.Tensor]:
+MaskLike = Union[Mask, torch.Tensor, None]
+"""What ``mask=`` takes everywhere (the type of that argument): a mask of this module, a bool
+tensor (True = may attend, as `keep`), a float tensor (added to the scores, as `bias`), or None."""
+
+
+@overload
+def _tile(t: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
+@overload
+def _tile(t: None, q0: int, q1: int, k0: int, k1: int) -> None: ...
+
+
+def _tile(t: Optional[torch.Tensor], q0: int, q1: int, k0: int, k1: int) -> Optional[torch.Tensor]:
     """4-D view of ``t`` (broadcastable to (B, H, Lq, Lk)) restricted to one tile.
 
     A size-1 (broadcast) query or key axis stays size 1; a full-size axis is sliced.
@@ -203,14 +228,16 @@ def _tile(t: Optional[torch.Tensor], q0, q1, k0, k1) -> Optional[torch.Tensor]:
     return t[:, :, rows, cols]
 
 
-def _tile_grid(q0, q1, k0, k1, offset: int, device):
+def _tile_grid(
+    q0: int, q1: int, k0: int, k1: int, offset: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Query positions (shifted by ``offset``) as a column and key positions as a row, for one tile."""
     i = torch.arange(q0, q1, device=device).unsqueeze(-1) + offset
     j = torch.arange(k0, k1, device=device).unsqueeze(0)
     return i, j
 
 
-def _index_grid(lq: int, lk: int, offset: int, device):
+def _index_grid(lq: int, lk: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     i = torch.arange(lq, device=device).unsqueeze(-1) + offset
     j = torch.arange(lk, device=device).unsqueeze(0)
     return i, j
@@ -219,22 +246,24 @@ def _index_grid(lq: int, lk: int, offset: int, device):
 class Causal(Mask):
     """Query i sees key j when ``j <= i + offset`` (see the module docstring's pictures)."""
 
-    kind = "causal"
+    kind: ClassVar[str] = "causal"
 
     def __init__(self, align: str = "bottom_right"):
         if align not in ALIGNMENTS:
             raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
         self.align = align
 
-    def _build(self, shape, *, device, dtype):
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:
         lq, lk = shape[-2:]
         i, j = _index_grid(lq, lk, diagonal_offset(self.align, lq, lk), device)
         return j <= i, None
 
-    def _key_span(self, q0, q1, lq, lk):
+    def _key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         return 0, min(lk, q1 + diagonal_offset(self.align, lq, lk))
 
-    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+    def _build_block(
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+    ) -> _Built:
         lq, lk = shape[-2:]
         offset = diagonal_offset(self.align, lq, lk)
         if k1 - 1 <= q0 + offset:  # the whole tile is on or below the diagonal
@@ -249,15 +278,16 @@ class Causal(Mask):
 class Window(Mask):
     """Query i sees keys ``i+offset-left ... i+offset+right`` inclusive (local attention)."""
 
-    kind = "window"
+    kind: ClassVar[str] = "window"
 
     def __init__(self, left: Optional[int], right: Optional[int] = 0, align: str = "bottom_right"):
-        for value, name in ((left, "left"), (right, "right")):
+        sides: tuple[tuple[object, str], ...] = ((left, "left"), (right, "right"))  # checked, not trusted
+        for value, name in sides:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"window {name} must be an int or None, got {type(value).__name__}")
-            if value < 0:
+            if int(value) < 0:
                 raise ValueError(
                     f"window {name} must be >= 0, got {value}; it counts keys on that side "
                     "of the query (None = unlimited)"
@@ -268,7 +298,7 @@ class Window(Mask):
         self.right = None if right is None else int(right)
         self.align = align
 
-    def _build(self, shape, *, device, dtype):
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:
         lq, lk = shape[-2:]
         i, j = _index_grid(lq, lk, diagonal_offset(self.align, lq, lk), device)
         ok = torch.ones(lq, lk, dtype=torch.bool, device=device)
@@ -278,13 +308,15 @@ class Window(Mask):
             ok = ok & (j <= i + self.right)
         return ok, None
 
-    def _key_span(self, q0, q1, lq, lk):
+    def _key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         offset = diagonal_offset(self.align, lq, lk)
         lo = 0 if self.left is None else max(0, q0 + offset - self.left)
         hi = lk if self.right is None else min(lk, q1 - 1 + offset + self.right + 1)
         return lo, hi
 
-    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+    def _build_block(
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+    ) -> _Built:
         lq, lk = shape[-2:]
         offset = diagonal_offset(self.align, lq, lk)
         left_ok = self.left is None or k0 >= q1 - 1 + offset - self.left
@@ -293,9 +325,9 @@ class Window(Mask):
             return None, None
         i, j = _tile_grid(q0, q1, k0, k1, offset, device)
         ok = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
-        if not left_ok:
+        if self.left is not None and not left_ok:
             ok = ok & (j >= i - self.left)
-        if not right_ok:
+        if self.right is not None and not right_ok:
             ok = ok & (j <= i + self.right)
         return ok[None, None], None
 
@@ -303,7 +335,7 @@ class Window(Mask):
         return f"window(left={self.left}, right={self.right}, align={self.align!r})"
 
 
-def _check_broadcast(t: torch.Tensor, target, device, name, what) -> None:
+def _check_broadcast(t: torch.Tensor, target: Shape, device: torch.device, name: str, what: str) -> None:
     if t.device != device:
         raise ValueError(
             f"{name} ({what}) is on {t.device} but the query is on {device}; "
@@ -323,7 +355,7 @@ def _check_broadcast(t: torch.Tensor, target, device, name, what) -> None:
 class Keep(Mask):
     """A boolean tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
 
-    kind = "keep"
+    kind: ClassVar[str] = "keep"
 
     def __init__(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor):
@@ -335,10 +367,10 @@ class Keep(Mask):
             )
         self.tensor = t
 
-    def _build(self, shape, *, device, dtype):
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:
         return self.tensor, None
 
-    def _check(self, shape, device, name):
+    def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         _check_broadcast(self.tensor, shape, device, name, "keep mask")
 
     def __repr__(self) -> str:
@@ -351,7 +383,7 @@ class Bias(Mask):
     A ``-inf`` entry blocks that key like a False in a keep mask.
     """
 
-    kind = "bias"
+    kind: ClassVar[str] = "bias"
 
     def __init__(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor):
@@ -363,17 +395,19 @@ class Bias(Mask):
             )
         self.tensor = t
 
-    def _build(self, shape, *, device, dtype):
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:
         return None, self.tensor.to(dtype)
 
-    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+    def _build_block(
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+    ) -> _Built:
         return None, _tile(self.tensor, q0, q1, k0, k1).to(dtype)
 
-    def _additive_tensor(self, shape):
+    def _additive_tensor(self, shape: Shape) -> Optional[torch.Tensor]:
         t = self.tensor
         return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
-    def _check(self, shape, device, name):
+    def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         _check_broadcast(self.tensor, shape, device, name, "bias")
 
     def __repr__(self) -> str:
@@ -383,7 +417,7 @@ class Bias(Mask):
 class KeyPadding(Mask):
     """A bool (B, Lk) tensor, True for real tokens, False for padding keys."""
 
-    kind = "padding"
+    kind: ClassVar[str] = "padding"
 
     def __init__(self, keep_t: torch.Tensor):
         if not isinstance(keep_t, torch.Tensor):
@@ -402,13 +436,13 @@ class KeyPadding(Mask):
             )
         self.tensor = keep_t
 
-    def _build(self, shape, *, device, dtype):
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:
         return self.tensor[:, None, None, :], None
 
-    def _dense_shape(self, shape):
+    def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         return (self.tensor.shape[0], 1, 1, self.tensor.shape[1])
 
-    def _check(self, shape, device, name):
+    def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         t = self.tensor
         batch, _, _, lk = shape
         if t.device != device:
@@ -425,7 +459,7 @@ class KeyPadding(Mask):
         return f"key_padding(shape={tuple(self.tensor.shape)})"
 
 
-def split_additive(mask: Optional[Mask], shape) -> tuple[Optional[Mask], tuple[torch.Tensor, ...]]:
+def split_additive(mask: Optional[Mask], shape: Shape) -> tuple[Optional[Mask], tuple[torch.Tensor, ...]]:
     """``(rest, biases)``: the mask without its parts added to the scores, and those parts'
     float tensors, each 4-D and broadcastable to ``shape`` = (B, H, Lq, Lk) (views, no copy).
 
@@ -433,41 +467,84 @@ def split_additive(mask: Optional[Mask], shape) -> tuple[Optional[Mask], tuple[t
     """
     if mask is None:
         return None, ()
-    rest, biases = [], []
+    rest: list[Mask] = []
+    biases: list[torch.Tensor] = []
     for part in mask.parts:
         t = part._additive_tensor(tuple(shape))
-        (rest if t is None else biases).append(part if t is None else t)
+        if t is None:
+            rest.append(part)
+        else:
+            biases.append(t)
     if not rest:
         return None, tuple(biases)
     return (rest[0] if len(rest) == 1 else AllOf(rest)), tuple(biases)
 
 
 def causal(align: str = "bottom_right") -> Mask:
-    """Causal mask; ``align`` is ``"bottom_right"`` (default) or ``"top_left"`` when Lq != Lk."""
+    """Causal mask; ``align`` is ``"bottom_right"`` (default) or ``"top_left"`` when Lq != Lk.
+
+    >>> import torch
+    >>> from multihead import masks
+    >>> m = masks.causal()
+    >>> m.materialize((1, 1, 2, 4), device=torch.device("cpu"), dtype=torch.float32).keep.int().tolist()
+    [[1, 1, 1, 0], [1, 1, 1, 1]]
+    >>> masks.causal("top_left").materialize((1, 1, 2, 4), device=torch.device("cpu"),
+    ...                                      dtype=torch.float32).keep.int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0]]
+    """
     return Causal(align)
 
 
 def window(left: Optional[int], right: Optional[int] = 0, *, align: str = "bottom_right") -> Mask:
-    """Local attention: query i sees keys i-left ... i+right (aligned like :func:`causal`).
+    """Local attention: query i sees keys i-left ... i+right (aligned like `causal`).
 
     ``window(w)`` is a causal sliding window of w past keys plus the query's own position;
     ``None`` on a side means unlimited.
+
+    >>> import torch
+    >>> from multihead import masks
+    >>> t = masks.window(1).materialize((1, 1, 4, 4), device=torch.device("cpu"), dtype=torch.float32)
+    >>> t.keep.int().tolist()                          # each query: its previous key and itself
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     """
     return Window(left, right, align)
 
 
 def key_padding(keep_t: torch.Tensor) -> Mask:
-    """Bool (B, Lk), True for real tokens: padded keys get no attention."""
+    """Bool (B, Lk), True for real tokens: padded keys get no attention.
+
+    >>> import torch, multihead
+    >>> real = torch.tensor([[True, True, False]])     # (B, Lk): the last key is padding
+    >>> q = k = v = torch.randn(1, 2, 3, 4)
+    >>> w = multihead.attention_weights(q, k, multihead.masks.key_padding(real) & multihead.masks.causal())
+    >>> w[0, 0, :, 2].tolist()                         # no query attends to the padding key
+    [0.0, 0.0, 0.0]
+    """
     return KeyPadding(keep_t)
 
 
 def keep(t: torch.Tensor) -> Mask:
-    """Bool tensor broadcastable to (B, H, Lq, Lk): True = may attend."""
+    """Bool tensor broadcastable to (B, H, Lq, Lk): True = may attend.
+
+    >>> import torch, multihead
+    >>> q = k = v = torch.randn(1, 1, 2, 4)
+    >>> allowed = torch.tensor([[True, False], [True, True]])          # (Lq, Lk)
+    >>> torch.equal(multihead.attention(q, k, v, mask=multihead.masks.keep(allowed)),
+    ...             multihead.attention(q, k, v, mask=allowed))      # a bool tensor means keep()
+    True
+    """
     return Keep(t)
 
 
 def bias(t: torch.Tensor) -> Mask:
-    """Float tensor broadcastable to (B, H, Lq, Lk), added to the scaled scores."""
+    """Float tensor broadcastable to (B, H, Lq, Lk), added to the scaled scores.
+
+    >>> import torch, multihead
+    >>> q = k = torch.zeros(1, 1, 2, 4)                # equal scores: the bias alone decides
+    >>> b = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]])
+    >>> multihead.attention_weights(q, k, multihead.masks.bias(b))[0, 0].tolist()
+    [[1.0, 0.0], [0.5, 0.5]]
+    """
     return Bias(t)
 
 
@@ -479,7 +556,7 @@ _CONVENTION = (
 )
 
 
-def as_mask(mask, name: str = "mask") -> Optional[Mask]:
+def as_mask(mask: object, name: str = "mask") -> Optional[Mask]:
     """Normalise what users pass as ``mask``: None, a Mask, a bool tensor (keep) or a float tensor (bias)."""
     if mask is None or isinstance(mask, Mask):
         return mask
@@ -495,7 +572,7 @@ def as_mask(mask, name: str = "mask") -> Optional[Mask]:
     )
 
 
-def from_torch(attn_mask=None, key_padding_mask=None) -> Optional[Mask]:
+def from_torch(attn_mask: Optional[torch.Tensor] = None, key_padding_mask: Optional[torch.Tensor] = None) -> Optional[Mask]:
     """Convert nn.MultiheadAttention's masks (True = blocked) to this module's convention.
 
     attn_mask: bool (Lq, Lk) or (B*H, Lq, Lk) with True = blocked, or float (added); for the
@@ -510,9 +587,7 @@ def from_torch(attn_mask=None, key_padding_mask=None) -> Optional[Mask]:
                 "wrap it with torch.as_tensor(attn_mask)"
             )
         if attn_mask.dim() == 3:
-            attn_mask = _TorchHeadsMask.wrap(attn_mask)
-        if isinstance(attn_mask, Mask):
-            out = attn_mask
+            out = _TorchHeadsMask.wrap(attn_mask)
         elif attn_mask.dtype == torch.bool:
             out = Keep(~attn_mask)
         elif attn_mask.is_floating_point():
@@ -542,7 +617,7 @@ def from_torch(attn_mask=None, key_padding_mask=None) -> Optional[Mask]:
 class _TorchHeadsMask(Mask):
     """nn.MultiheadAttention's 3-D attn_mask (B*H, Lq, Lk), reshaped once B and H are known."""
 
-    kind = "torch"
+    kind: ClassVar[str] = "torch"
 
     def __init__(self, t: torch.Tensor):
         self.tensor = t
@@ -557,25 +632,27 @@ class _TorchHeadsMask(Mask):
         t = self.tensor
         return t.reshape(t.shape[0] // heads, heads, *t.shape[1:])
 
-    def _build(self, shape, *, device, dtype):
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype) -> _Built:
         t = self._unflatten(shape[1])
         if t.dtype == torch.bool:
             return ~t, None
         return None, t.to(dtype)
 
-    def _build_block(self, q0, q1, k0, k1, shape, *, device, dtype):
+    def _build_block(
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+    ) -> _Built:
         t = _tile(self._unflatten(shape[1]), q0, q1, k0, k1)
         if t.dtype == torch.bool:
             return ~t, None
         return None, t.to(dtype)
 
-    def _additive_tensor(self, shape):
+    def _additive_tensor(self, shape: Shape) -> Optional[torch.Tensor]:
         return None if self.tensor.dtype == torch.bool else self._unflatten(shape[1])
 
-    def _dense_shape(self, shape):
+    def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         return tuple(shape)
 
-    def _check(self, shape, device, name):
+    def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         t = self.tensor
         batch, heads, lq, lk = shape
         if tuple(t.shape) != (batch * heads, lq, lk):

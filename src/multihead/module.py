@@ -23,7 +23,7 @@ when a trace is recording (the "project Q/K/V" steps).
 
 ``forward`` is the public edge (defaults, input, cache and mask checks); the steps after it are
 small methods of a trusted core, in data-flow order (``_project``, ``_rotate``,
-``_write_cache``, ``_attend``, ``_merge_output``), which :class:`multihead.distributed.ContextParallel`
+``_write_cache``, ``_attend``, ``_merge_output``), which `multihead.distributed.ContextParallel`
 calls too, swapping only the attention step for the ring.
 
 Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim.
@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 from operator import attrgetter
-from typing import Mapping, Optional
+from typing import Literal, Mapping, Optional, Union, overload
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.types import Device
 
 from . import functional as _functional
 from . import masks as _masks
@@ -45,6 +46,7 @@ from . import trace as _trace
 from ._checks import check_module_inputs
 from ._numerics import default_scale
 from .integrations.torch_mha import load_torch_state_dict
+from .backends import BackendName
 from .cache import KVCache
 from .config import AttentionConfig
 from .heads import merge_heads, split_heads
@@ -61,7 +63,7 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     """x (B, H, L, D) rotated for an (L,) or (B, L) tensor of positions below ``bound``: rows of
     the cos/sin tables picked by indexing, so no position is read on the host (a compiled step
     keeps one graph, and each row of a padded batch gets its own positions). The rotation is the
-    line of :meth:`RoPE.__call__`; only the table lookup differs (RoPE reads max(positions))."""
+    line of `RoPE.__call__`; only the table lookup differs (RoPE reads max(positions))."""
     cos, sin = rope.cos_sin(bound, device=x.device, dtype=x.dtype)
     cos, sin = cos[positions], sin[positions]  # (L, D) or (B, L, D)
     if positions.dim() == 2:
@@ -72,6 +74,15 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, batch-first, with GQA, cross-attention and typed masks.
 
+    >>> import torch, multihead
+    >>> mha = multihead.MultiHeadAttention(d_in=16, num_heads=4, num_kv_heads=2, causal=True)
+    >>> x = torch.randn(2, 5, 16)                      # (B, L, d_in)
+    >>> mha(x).shape                                   # (B, L, d_out)
+    torch.Size([2, 5, 16])
+    >>> out, weights = mha(x, return_weights=True)     # weights: (B, H, Lq, Lk)
+    >>> weights.shape, torch.allclose(out, mha(x), atol=1e-6)
+    (torch.Size([2, 4, 5, 5]), True)
+
     Args:
         d_in: feature size of the query input.
         num_heads: H, the number of query heads.
@@ -81,19 +92,20 @@ class MultiHeadAttention(nn.Module):
         vdim: feature size of the value input (default ``kdim``).
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights, applied in training only.
-        causal: apply a bottom-right aligned causal mask (see :func:`multihead.masks.causal`).
+        causal: apply a bottom-right aligned causal mask (see `multihead.masks.causal`).
         backend: "auto" (the fastest backend that supports the call), "reference", "sdpa" or
-            "chunked" (see :func:`multihead.explain_dispatch`).
+            "chunked" (see `multihead.explain_dispatch`).
         rope: True to rotate q and k by their positions (rotary embeddings, Hugging Face Llama's
-            rotate-half layout), or a :class:`multihead.rope.RoPE` to use. Self-attention only.
+            rotate-half layout), or a `multihead.rope.RoPE` to use. Self-attention only.
         rope_base: the RoPE frequency base.
-        rope_scaling: a :class:`multihead.rope.RoPEScaling` rule for the RoPE frequencies
+        rope_scaling: a `multihead.rope.RoPEScaling` rule for the RoPE frequencies
             (linear or llama3), or None. With ``rope`` a RoPE object, its base and scaling are
             used, and ``rope_base``/``rope_scaling`` must be left out or agree with them.
-        device, dtype: of the projections' parameters.
+        device: of the projections' parameters.
+        dtype: of the projections' parameters.
 
-    These are the fields of :class:`multihead.AttentionConfig` (``mha.config``), plus device and
-    dtype; :meth:`from_config` builds the module from a config and its weights.
+    These are the fields of `multihead.AttentionConfig` (``mha.config``), plus device and
+    dtype; `from_config` builds the module from a config and its weights.
 
     Submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` are ``nn.Linear`` (weight is
     (out, in)), so weights from other implementations load by copying tensors. Inputs are
@@ -112,13 +124,13 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         causal: bool = False,
-        backend: str = "auto",
-        rope=False,
+        backend: BackendName = "auto",
+        rope: Union[bool, RoPE] = False,
         rope_base: float = 10000.0,
         rope_scaling: Optional[RoPEScaling] = None,
-        device=None,
-        dtype=None,
-    ):
+        device: Device = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__()
         rope_obj = rope if isinstance(rope, RoPE) else None
         if rope_obj is not None:
@@ -148,7 +160,8 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: AttentionConfig, weights: Optional[Mapping[str, torch.Tensor]] = None, *, device=None, dtype=None
+        cls, config: AttentionConfig, weights: Optional[Mapping[str, torch.Tensor]] = None, *,
+        device: Device = None, dtype: Optional[torch.dtype] = None,
     ) -> "MultiHeadAttention":
         """The module of ``config``, holding copies of ``weights``.
 
@@ -156,13 +169,15 @@ class MultiHeadAttention(nn.Module):
             >>> twin = MultiHeadAttention.from_config(mha.config, mha.state_dict())
 
         Args:
-            config: an :class:`multihead.AttentionConfig` (e.g. ``mha.config``, or what a converter
-                of :mod:`multihead.interop`, :mod:`multihead.hf`, :mod:`multihead.per_head` returns).
+            config: an `multihead.AttentionConfig` (e.g. ``mha.config``, or what a converter
+                of `multihead.interop`, `multihead.hf`, `multihead.per_head` returns).
             weights: tensors under the module's state_dict names, exactly
                 ``config.weight_shapes()`` (e.g. ``mha.state_dict()``); None for a freshly
                 initialised module.
-            device, dtype: of the parameters; by default those of ``weights["q_proj.weight"]``
-                (torch's defaults without weights). Weights of another dtype are cast.
+            device: of the parameters; by default that of ``weights["q_proj.weight"]``
+                (torch's default without weights).
+            dtype: of the parameters; by default that of ``weights["q_proj.weight"]`` (torch's
+                default without weights). Weights of another dtype are cast.
 
         Returns:
             A module in training mode, as a constructed one is; its config equals ``config``.
@@ -278,28 +293,46 @@ class MultiHeadAttention(nn.Module):
             m = self._causal_mask if m is None else self._causal_mask & m
         return m
 
+    @overload
+    def forward(
+        self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
+        mask: _masks.MaskLike = None, return_weights: Literal[False] = False, cache: Optional[KVCache] = None,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
+        mask: _masks.MaskLike = None, return_weights: Literal[True], cache: Optional[KVCache] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(
+        self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
+        mask: _masks.MaskLike = None, return_weights: bool = False, cache: Optional[KVCache] = None,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
     def forward(
         self,
         query: torch.Tensor,
         key: Optional[torch.Tensor] = None,
         value: Optional[torch.Tensor] = None,
         *,
-        mask=None,
+        mask: _masks.MaskLike = None,
         return_weights: bool = False,
         cache: Optional[KVCache] = None,
-    ):
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attend from ``query`` to ``key``/``value``.
 
         Args:
             query: (B, Lq, d_in).
             key: (B, Lk, kdim); default ``query`` (self-attention).
             value: (B, Lk, vdim); default ``key``.
-            mask: a :mod:`multihead.masks` mask, a bool tensor (True = may attend) or a float
+            mask: a `multihead.masks` mask, a bool tensor (True = may attend) or a float
                 tensor (added to the scores), broadcastable to (B, H, Lq, Lk). Combined with
                 the module's causal mask when ``causal=True``.
             return_weights: also return the per-head weights (B, H, Lq, Lk) actually applied
                 (after dropout in training); this runs the reference backend.
-            cache: a :class:`multihead.KVCache` or :class:`multihead.StaticKVCache` (causal
+            cache: a `multihead.KVCache` or `multihead.StaticKVCache` (causal
                 self-attention only). The Lq new tokens are projected, rotated for their
                 positions (``len(cache) ...``, or each row's own with a padded cache), written
                 to the cache, and attend to every cached token they may see (earlier ones, real
@@ -434,13 +467,13 @@ class MultiHeadAttention(nn.Module):
         state_dict names of ``config.weight_shapes()``."""
         return {name: attrgetter(name)(self).detach() for name in self.config.weight_shapes()}
 
-    def to_per_head(self):
-        """The same layer as h independent heads (:class:`multihead.PerHeadAttention`)."""
+    def to_per_head(self) -> _per_head.PerHeadAttention:
+        """The same layer as h independent heads (`multihead.PerHeadAttention`)."""
         return _per_head.to_per_head(self.config, self._weights()).train(self.training)
 
     @classmethod
-    def from_per_head(cls, p, *, num_kv_heads: Optional[int] = None) -> "MultiHeadAttention":
-        """Fuse a :class:`PerHeadAttention` back; with ``num_kv_heads`` its K/V copies are regrouped."""
+    def from_per_head(cls, p: _per_head.PerHeadAttention, *, num_kv_heads: Optional[int] = None) -> "MultiHeadAttention":
+        """Fuse a `PerHeadAttention` back; with ``num_kv_heads`` its K/V copies are regrouped."""
         return cls.from_config(*_per_head.from_per_head(p, num_kv_heads=num_kv_heads)).train(p.training)
 
     @classmethod
@@ -450,7 +483,7 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_hf(cls, module: nn.Module, *, output_dense: Optional[nn.Linear] = None) -> "MultiHeadAttention":
-        """Copy a Hugging Face ``BertAttention`` or ``LlamaAttention`` (see :func:`multihead.hf.from_hf`)."""
+        """Copy a Hugging Face ``BertAttention`` or ``LlamaAttention`` (see `multihead.hf.from_hf`)."""
         return cls.from_config(*_hf.from_hf(module, output_dense=output_dense)).train(module.training)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:

@@ -38,7 +38,9 @@ class Head(nn.Module):
         self.k = nn.Linear(kdim, head_dim, bias=bias, **factory)
         self.v = nn.Linear(vdim, head_dim, bias=bias, **factory)
 
-    def forward(self, query, key, value, mask, dropout_p: float) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: _masks.MaskLike, dropout_p: float
+    ) -> torch.Tensor:
         """(B, Lq, d_in), (B, Lk, kdim), (B, Lk, vdim) -> (B, Lq, D); the head axis is 1 inside."""
         q = self.q(query).unsqueeze(1)
         k = self.k(key).unsqueeze(1)
@@ -77,7 +79,14 @@ class PerHeadAttention(nn.Module):
         )
         self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
 
-    def forward(self, query, key=None, value=None, *, mask=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        value: Optional[torch.Tensor] = None,
+        *,
+        mask: _masks.MaskLike = None,
+    ) -> torch.Tensor:
         """(B, Lq, d_in) [, (B, Lk, kdim) [, (B, Lk, vdim)]] -> (B, Lq, d_out)."""
         cfg = self.config
         key = query if key is None else key

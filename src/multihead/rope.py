@@ -17,7 +17,7 @@ so weights trained with that layout load here unchanged. (The RoFormer paper pai
 2i and 2i+1 instead; the two layouts differ by a fixed permutation of the projection rows.)
 
 A model stretched to a longer context than it was trained on rescales the frequencies
-(:class:`RoPEScaling`): "linear" divides every theta_i by a factor (position p turns as p / factor
+(`RoPEScaling`): "linear" divides every theta_i by a factor (position p turns as p / factor
 did), "llama3" (Llama 3.1) divides only the slow pairs and blends the middle band. Both keep
 the rotation itself, so the rotated vectors keep their lengths; scalings that also rescale
 cos/sin (an attention factor, as YaRN and LongRoPE do) are not implemented here.
@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.types import Device
 
 from ._checks import check_positive_int, check_tensor
 
 __all__ = ["RoPE", "RoPEScaling", "rotate_half", "ROPE_TYPES"]
 
 #: The frequency rules RoPE implements, named as Hugging Face configs name them (``rope_type``):
-#: "default" is no :class:`RoPEScaling`; the others are its ``kind``.
+#: "default" is no `RoPEScaling`; the others are its ``kind``.
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -49,16 +50,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def check_rope_base(base) -> float:
+def check_rope_base(base: object) -> float:
     if isinstance(base, bool) or not isinstance(base, numbers.Real):
         raise TypeError(f"rope_base must be a number, got {type(base).__name__}; the usual value is 10000.0")
-    base = float(base)
-    if not (base > 1.0 and math.isfinite(base)):
-        raise ValueError(f"rope_base must be finite and > 1, got {base}; the usual value is 10000.0")
-    return base
+    value = float(base)
+    if not (value > 1.0 and math.isfinite(value)):
+        raise ValueError(f"rope_base must be finite and > 1, got {value}; the usual value is 10000.0")
+    return value
 
 
-def _check_positions(positions, length: int) -> None:
+def _check_positions(positions: object, length: int) -> None:
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer torch.Tensor, got {getattr(positions, 'dtype', type(positions).__name__)}")
     if tuple(positions.shape) != (length,):
@@ -67,13 +68,13 @@ def _check_positions(positions, length: int) -> None:
         raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
 
 
-def _check_factor(value, name: str, kind: str) -> float:
+def _check_factor(value: object, name: str, kind: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"RoPEScaling {kind!r} needs {name} as a number, got {type(value).__name__}")
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"RoPEScaling {kind!r} needs {name} > 0 and finite, got {value}")
-    return value
+    factor = float(value)
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"RoPEScaling {kind!r} needs {name} > 0 and finite, got {factor}")
+    return factor
 
 
 @dataclass(frozen=True, repr=False)
@@ -102,7 +103,7 @@ class RoPEScaling:
     high_freq_factor: Optional[float] = None
     original_max_position_embeddings: Optional[int] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         kinds = ROPE_TYPES[1:]
         if self.kind not in kinds:
             raise ValueError(
@@ -116,12 +117,14 @@ class RoPEScaling:
             if given:
                 raise ValueError(f"RoPEScaling 'linear' takes only factor; {', '.join(given)} belong to 'llama3'")
             return
-        for name in llama3[:2]:
-            set_(self, name, _check_factor(getattr(self, name), name, "llama3"))
-        if self.high_freq_factor <= self.low_freq_factor:
+        low = _check_factor(self.low_freq_factor, "low_freq_factor", "llama3")
+        high = _check_factor(self.high_freq_factor, "high_freq_factor", "llama3")
+        set_(self, "low_freq_factor", low)
+        set_(self, "high_freq_factor", high)
+        if high <= low:
             raise ValueError(
-                f"RoPEScaling 'llama3' needs high_freq_factor > low_freq_factor, got {self.high_freq_factor} "
-                f"and {self.low_freq_factor} (Llama 3.1 uses 4.0 and 1.0)"
+                f"RoPEScaling 'llama3' needs high_freq_factor > low_freq_factor, got {high} "
+                f"and {low} (Llama 3.1 uses 4.0 and 1.0)"
             )
         if self.original_max_position_embeddings is None:
             raise TypeError("RoPEScaling 'llama3' needs original_max_position_embeddings (Llama 3.1: 8192)")
@@ -139,15 +142,20 @@ class RoPEScaling:
         """The rescaled frequencies: (D/2,) -> (D/2,), same dtype."""
         if self.kind == "linear":
             return inv_freq / self.factor
-        context = float(self.original_max_position_embeddings)
+        low, high, context_len = self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
+        if low is None or high is None or context_len is None:  # __post_init__ requires all three for llama3
+            raise ValueError(f"{self!r} lacks a llama3 setting")
+        context = float(context_len)
         wavelength = 2 * math.pi / inv_freq
-        s = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        s = (context / wavelength - low) / (high - low)
         blended = (1 - s) * inv_freq / self.factor + s * inv_freq
-        out = torch.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor, blended)
-        return torch.where(wavelength < context / self.high_freq_factor, inv_freq, out)
+        out = torch.where(wavelength > context / low, inv_freq / self.factor, blended)
+        return torch.where(wavelength < context / high, inv_freq, out)
 
 
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, device, dtype) -> tuple:
+def _cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, device: Device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (L, D) of the angles position * theta_i, computed in float64 (each theta
     repeated for both halves), then cast to ``dtype`` on ``device``."""
     angles = torch.outer(positions, inv_freq)  # (L, D/2)
@@ -160,7 +168,7 @@ class RoPE:
 
     ``rope(x, offset)`` rotates x (B, H, L, D) as if its tokens sat at positions
     ``offset ... offset + L - 1`` (a decode step over a KV cache passes the cache length).
-    ``scaling`` (a :class:`RoPEScaling`, default none) rescales the frequencies.
+    ``scaling`` (a `RoPEScaling`, default none) rescales the frequencies.
 
     The frequencies and the cos/sin tables are computed in float64; the tables are cached per
     (device, dtype) and grow on demand (doubling), so a sequence of any length works and the table
@@ -185,13 +193,15 @@ class RoPE:
         # theta_i = base^(-2i/D), i = 0 .. D/2-1, then the scaling rule
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
         self.inv_freq = inv_freq if scaling is None else scaling.apply(inv_freq)
-        self._tables: dict = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         scaling = "" if self.scaling is None else f", scaling={self.scaling}"
         return f"RoPE(head_dim={self.head_dim}, base={self.base:g}{scaling})"
 
-    def cos_sin(self, length: int, *, offset: int = 0, device=None, dtype=torch.float32):
+    def cos_sin(
+        self, length: int, *, offset: int = 0, device: Device = None, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables (length, D) for positions ``offset ... offset + length - 1``."""
         end = offset + length
         key = (torch.device(device) if device is not None else torch.device("cpu"), dtype)
@@ -209,7 +219,7 @@ class RoPE:
     def __call__(self, x: torch.Tensor, offset: int = 0, *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, H, L, D) rotated for positions ``offset ... offset + L - 1``, or for ``positions``,
         an (L,) integer tensor of any positions (e.g. a context-parallel shard's, from
-        :func:`multihead.distributed.shard_positions`); same shape and dtype."""
+        `multihead.distributed.shard_positions`); same shape and dtype."""
         check_tensor(x, "x")
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x has head dim {x.shape[-1]} but this RoPE was built for head_dim={self.head_dim}")

@@ -4,7 +4,7 @@
 takes (projections, the head split, scores, mask, softmax, ...), with its shape, axis names,
 einops-style pattern, whether it moved data, and checks computed on the tensors.
 
-Recording stays out of the math: the forward pass asks :func:`current` once per function and
+Recording stays out of the math: the forward pass asks `current` once per function and
 records only when a trace is active. With no trace active that is the only cost.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -43,21 +43,21 @@ class Step:
 
     name: str
     pattern: Optional[str]
-    shape: tuple
-    axes: tuple
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
     view: bool
-    checks: dict = field(default_factory=dict)
+    checks: dict[str, bool] = field(default_factory=dict)
     note: str = ""
     role: str = ""
     dtype: str = ""
     tensor: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    extras: dict = field(default_factory=dict, repr=False, compare=False)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def label(self) -> str:
         return f"{self.name} {self.role}".strip() if self.role and self.role not in self.name else self.name
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.label,
             "pattern": self.pattern,
@@ -75,12 +75,12 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Trace:
-    """The record of one or more forward passes. Use through :func:`trace`."""
+    """The record of one or more forward passes. Use through `trace`."""
 
     def __init__(self, *, keep_values: bool = True):
         self.keep_values = keep_values
         self.steps: list[Step] = []
-        self.config: dict = {}
+        self.config: dict[str, Any] = {}
 
     # -- recording (called by the forward pass)
     def record(
@@ -88,13 +88,13 @@ class Trace:
         name: str,
         tensor: torch.Tensor,
         pattern: Optional[str] = None,
-        axes: tuple = (),
+        axes: tuple[str, ...] = (),
         *,
         source: Optional[torch.Tensor] = None,
-        checks: Optional[dict] = None,
+        checks: Optional[dict[str, bool]] = None,
         note: str = "",
         role: str = "",
-        extras: Optional[dict] = None,
+        extras: Optional[dict[str, torch.Tensor]] = None,
     ) -> Step:
         """Append one step. ``source``: the step's input, for the view test and layout checks;
         ``extras``: side tensors kept (with ``keep_values``) to explain the step."""
@@ -118,7 +118,7 @@ class Trace:
         self.steps.append(step)
         return step
 
-    def set_config(self, **config) -> None:
+    def set_config(self, **config: Any) -> None:
         """Record settings; the first value of each key wins, except that the backend actually
         chosen replaces "auto"."""
         for key, value in config.items():
@@ -136,7 +136,7 @@ class Trace:
         raise KeyError(f"no step named {label!r}; steps are {[s.label for s in self.steps]}")
 
     @property
-    def checks(self) -> dict:
+    def checks(self) -> dict[str, bool]:
         """Every check of every step, as ``{"step: check": bool}``."""
         return {f"{s.label}: {name}": ok for s in self.steps for name, ok in s.checks.items()}
 
@@ -144,10 +144,10 @@ class Trace:
     def all_checks_hold(self) -> bool:
         return all(self.checks.values())
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"config": dict(self.config), "steps": [s.to_dict() for s in self.steps]}
 
-    def to_json(self, **kwargs) -> str:
+    def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False, **kwargs)
 
     def __str__(self) -> str:
@@ -183,7 +183,7 @@ class Trace:
         stack.append(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _state.stack.remove(self)
 
 
@@ -191,13 +191,20 @@ def trace(*, keep_values: bool = True) -> Trace:
     """Record the steps of every multihead forward pass run inside the ``with`` block.
 
     ``keep_values=False`` records shapes and checks only (no tensor copies).
+
+    >>> import torch, multihead
+    >>> mha = multihead.MultiHeadAttention(16, 2)
+    >>> with multihead.trace() as tr:
+    ...     out = mha(torch.randn(1, 3, 16))
+    >>> tr.all_checks_hold, tr.step("input").label
+    (True, 'input')
     """
     if not isinstance(keep_values, bool):
         raise TypeError(f"keep_values must be True or False, got {keep_values!r}")
     return Trace(keep_values=keep_values)
 
 
-def _layout_checks(name: str, out: torch.Tensor, src: torch.Tensor, view: bool) -> dict:
+def _layout_checks(name: str, out: torch.Tensor, src: torch.Tensor, view: bool) -> dict[str, bool]:
     """Checks for the pure layout steps: the same numbers come out, only indexed differently."""
     if name == "split heads":
         return {"same data after view": view and torch.equal(out.reshape(src.shape), src)}

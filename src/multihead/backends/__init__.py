@@ -1,12 +1,12 @@
 """Attention backends behind one signature, in a small registry.
 
 Every backend is a function ``fn(q, k, v, mask, *, scale, dropout_p) -> out`` with
-q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a :class:`multihead.masks.Mask`
+q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a `multihead.masks.Mask`
 or None, and out (B, H, Lq, Dv). Inputs arrive validated. Each backend also says, for a given
 call, why it cannot take it (or None when it can), and may say why ``"auto"`` should not pick it
 although it could (too slow or too much memory for this call: ``auto_declines``). ``"auto"``
-picks the first backend in :data:`AUTO_ORDER` that neither refuses nor declines the call, and
-:func:`explain_dispatch` reports every reason, and how the chosen backend will run the call when it
+picks the first backend in `AUTO_ORDER` that neither refuses nor declines the call, and
+`explain_dispatch` reports every reason, and how the chosen backend will run the call when it
 can say (``describe``); a backend named explicitly runs unless it refuses.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
@@ -16,14 +16,18 @@ Dv value head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
 from .. import trace as _trace
 from ..masks import Mask
 
-__all__ = ["Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
+BackendName = Literal["auto", "reference", "sdpa", "chunked"]
+"""The built-in backends' names, the type of ``backend=``; at run time any registered name (a
+backend added with `register` included) is accepted, and an unknown one is a ValueError."""
+
+__all__ = ["BackendName", "Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class Dispatch:
     other one was not chosen."""
 
     backend: str
-    refused: dict
+    refused: dict[str, str]
     how: str = ""
 
     def __str__(self) -> str:
@@ -104,7 +108,7 @@ def _why_not(backend: Backend, call: Call) -> Optional[str]:
 
 
 def explain_dispatch_call(call: Call) -> Dispatch:
-    refused: dict = {}
+    refused: dict[str, str] = {}
     chosen = None
     for name in AUTO_ORDER:
         why = _why_not(_REGISTRY[name], call)

@@ -94,7 +94,7 @@ def attention_probs(
     return weights
 
 
-def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor) -> dict:
+def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor) -> dict[str, bool]:
     blocked = scores == _NEG_INF
     visible_rows = ~blocked.all(dim=-1)
     sums = weights.sum(dim=-1)
@@ -138,7 +138,9 @@ def attend(
     return out.to(q.dtype), weights.to(q.dtype)
 
 
-def reference_attention(q, k, v, mask, *, scale, dropout_p):
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
+) -> torch.Tensor:
     return attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
 
 

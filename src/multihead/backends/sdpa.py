@@ -169,7 +169,9 @@ def _why_math(call: Call, attn_mask) -> str:
     return "PyTorch's choice"
 
 
-def sdpa_attention(q, k, v, mask, *, scale, dropout_p):
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
+) -> torch.Tensor:
     attn_mask, is_causal = sdpa_mask_args(
         mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), device=q.device, dtype=q.dtype
     )

@@ -27,7 +27,7 @@ Legend: E embed_dim (the query size and the projections' output size).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -40,10 +40,14 @@ __all__ = [
 
 _PROJ = ("q", "k", "v")
 
+#: a state_dict: parameter names to tensors
+StateDict = dict[str, torch.Tensor]
 
-def _rename_torch_keys(sd: dict, prefix: str) -> None:
+
+def _rename_torch_keys(sd: StateDict, prefix: str) -> None:
     """In place: nn.MultiheadAttention's projection keys under ``prefix`` -> MultiHeadAttention's."""
     packed = sd.pop(prefix + "in_proj_weight", None)
+    ws: Sequence[Optional[torch.Tensor]]
     if packed is not None:
         ws = packed.chunk(3)
     else:
@@ -57,7 +61,7 @@ def _rename_torch_keys(sd: dict, prefix: str) -> None:
             sd[f"{prefix}{p}_proj.bias"] = b
 
 
-def _rename_multihead_keys(sd: dict, prefix: str, packed) -> None:
+def _rename_multihead_keys(sd: StateDict, prefix: str, packed: Optional[bool]) -> None:
     """In place: MultiHeadAttention's projection keys under ``prefix`` -> nn.MultiheadAttention's.
 
     ``packed``: True for ``in_proj_weight``, False for the three ``*_proj_weight``, None to
@@ -79,13 +83,13 @@ def _rename_multihead_keys(sd: dict, prefix: str, packed) -> None:
         sd[prefix + "in_proj_bias"] = torch.cat([sd.pop(n) for n in bias_names])
 
 
-def _checked(state_dict, name: str) -> dict:
+def _checked(state_dict: object, name: str) -> StateDict:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{name} takes a state_dict (a mapping of names to tensors), got {type(state_dict).__name__}")
     return dict(state_dict)
 
 
-def torch_to_multihead(state_dict: Mapping, prefix: str = "") -> dict:
+def torch_to_multihead(state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> StateDict:
     """A copy of an ``nn.MultiheadAttention`` state_dict (keys under ``prefix``) with
     :class:`multihead.MultiHeadAttention`'s keys: ``in_proj_weight`` split into ``q_proj.weight``,
     ``k_proj.weight``, ``v_proj.weight`` (or the separate ``*_proj_weight`` renamed), likewise
@@ -95,7 +99,9 @@ def torch_to_multihead(state_dict: Mapping, prefix: str = "") -> dict:
     return sd
 
 
-def multihead_to_torch(state_dict: Mapping, prefix: str = "", *, packed=None) -> dict:
+def multihead_to_torch(
+    state_dict: Mapping[str, torch.Tensor], prefix: str = "", *, packed: Optional[bool] = None
+) -> StateDict:
     """A copy of a :class:`multihead.MultiHeadAttention` state_dict with ``nn.MultiheadAttention``'s
     keys. ``packed=None`` stacks the projections into ``in_proj_weight`` when all three are
     (E, E), i.e. when nn.MultiheadAttention would (kdim == vdim == embed_dim); True/False forces it."""
@@ -106,16 +112,20 @@ def multihead_to_torch(state_dict: Mapping, prefix: str = "", *, packed=None) ->
     return sd
 
 
-def load_torch_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                          unexpected_keys, error_msgs) -> None:
+def load_torch_state_dict(
+    module: torch.nn.Module, state_dict: StateDict, prefix: str, local_metadata: dict[str, Any], strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
     """Load pre-hook that lets a :class:`multihead.MultiHeadAttention` load an
     ``nn.MultiheadAttention`` state_dict: ``mha.register_load_state_dict_pre_hook(load_torch_state_dict)``.
     A state_dict already in MultiHeadAttention's keys passes unchanged."""
     _rename_torch_keys(state_dict, prefix)
 
 
-def load_multihead_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:
+def load_multihead_state_dict(
+    module: torch.nn.Module, state_dict: StateDict, prefix: str, local_metadata: dict[str, Any], strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
     """Load pre-hook that lets :class:`multihead.nn.MultiheadAttention` load a
     :class:`multihead.MultiHeadAttention` state_dict, stacked as the module's own layout is."""
-    _rename_multihead_keys(state_dict, prefix, module._qkv_same_embed_dim)
+    _rename_multihead_keys(state_dict, prefix, bool(module._qkv_same_embed_dim))

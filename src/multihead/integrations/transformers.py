@@ -47,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from ..backends import BackendName
 from .. import masks as _masks
 from ..functional import attention, attention_with_weights
 
@@ -57,7 +58,7 @@ NAME = "multihead"
 _INSTALL = 'transformers is not installed; install it with: pip install "multihead[hf]"'
 
 
-def register(name: str = NAME, *, backend: str = "auto") -> str:
+def register(name: str = NAME, *, backend: BackendName = "auto") -> str:
     """Register :func:`attention_forward` with transformers under ``name``; returns ``name``.
 
     ``backend`` picks the multihead backend for calls without ``output_attentions``
@@ -119,7 +120,7 @@ def attention_forward(
     dropout: float = 0.0,
     is_causal: Optional[bool] = None,
     *,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     **kwargs,
 ):
     """transformers' attention-function signature, computed by :func:`multihead.attention`.
