@@ -14,7 +14,7 @@ import torch
 from . import backends as _backends
 from . import trace as _trace
 from ._checks import check_dropout, check_indices, check_qkv, check_scale
-from ._numerics import autocast_inputs, outside_autocast
+from ._numerics import autocast_dtype, autocast_inputs, outside_autocast
 from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .backends import sdpa as _sdpa
@@ -116,10 +116,16 @@ def attend(
     the backend itself runs with autocast off, so that it computes as it documents (scores and
     softmax in float32 for half inputs, biases at their own precision) in and out of autocast.
     """
-    chosen = _backends.resolve(backend, _backends.Call(q, k, v, mask, dropout_p))
-    tr = _trace.current()
+    return _attend(q, k, v, mask, scale, dropout_p, backend, _trace.current())
+
+
+def _attend(q, k, v, mask, scale: float, dropout_p: float, backend: str, tr) -> torch.Tensor:
+    """:func:`attend`, for a caller that looked up the trace (``tr``, or None) already."""
+    chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p), tr)
     if tr is not None:
         tr.set_config(backend=chosen.name)
+    if autocast_dtype(q.device.type) is None:  # autocast is off: no context to enter
+        return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
     with outside_autocast(q.device.type):
         return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 

@@ -23,8 +23,17 @@ REPEAT_KV_PATTERN = "b hkv t d -> b (hkv g) t d"
 
 def split_heads(x: torch.Tensor, num_heads: int, *, role: str = "") -> torch.Tensor:
     """(B, L, H*D) -> (B, H, L, D), as a view: ``'b t (h d) -> b h t d'``."""
+    return _split_heads(x, num_heads, _trace.current(), role)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B, L, H*D): ``'b h t d -> b t (h d)'``."""
+    return _merge_heads(x, _trace.current())
+
+
+def _split_heads(x: torch.Tensor, num_heads: int, tr, role: str = "") -> torch.Tensor:
+    """:func:`split_heads`, recording into ``tr`` (the caller's :func:`multihead.trace.current`, or None)."""
     B, L, F = x.shape
-    tr = _trace.current()
     y = x.view(B, L, num_heads, F // num_heads)
     if tr is not None:
         tr.record("split heads", y, SPLIT_PATTERN, ("b", "t", "h", "d"), source=x, role=role)
@@ -34,10 +43,9 @@ def split_heads(x: torch.Tensor, num_heads: int, *, role: str = "") -> torch.Ten
     return z
 
 
-def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) -> (B, L, H*D): ``'b h t d -> b t (h d)'``."""
+def _merge_heads(x: torch.Tensor, tr) -> torch.Tensor:
+    """:func:`merge_heads`, recording into ``tr`` (the caller's :func:`multihead.trace.current`, or None)."""
     B, H, L, D = x.shape
-    tr = _trace.current()
     y = x.transpose(1, 2)
     if tr is not None:
         tr.record("move heads back", y, MOVE_BACK_PATTERN, ("b", "t", "h", "d"), source=x)

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.types import Device
+from torch.nn.modules import module as _nn_module
 
 from . import functional as _functional
 from . import masks as _masks
@@ -49,7 +50,7 @@ from .integrations.torch_mha import load_torch_state_dict
 from .backends import BackendName
 from .cache import KVCache
 from .config import AttentionConfig
-from .heads import merge_heads, split_heads
+from .heads import _merge_heads, _split_heads
 from .rope import RoPE, RoPEScaling, rotate_half
 from . import hf as _hf, interop as _interop, per_head as _per_head
 
@@ -69,6 +70,24 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     if positions.dim() == 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
     return x * cos + rotate_half(x) * sin
+
+
+def _linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)``, the projection's own call. For a plain ``nn.Linear`` with nothing that its
+    ``__call__`` would run besides ``forward`` (no hooks of its own or global ones, no forward
+    replaced on the instance, no JIT trace; a parametrized or wrapped one is another class) that
+    is ``F.linear(x, lin.weight, lin.bias)``, called directly: the same op on the same current
+    weights, without nn.Module's per-call dispatch. Anything else is called as a module."""
+    if (
+        type(lin) is nn.Linear
+        and not (lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks)
+        and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                 or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+        and "forward" not in lin.__dict__
+        and not torch._C._get_tracing_state()
+    ):
+        return F.linear(x, lin.weight, lin.bias)
+    return lin(x)
 
 
 class MultiHeadAttention(nn.Module):
@@ -372,13 +391,13 @@ class MultiHeadAttention(nn.Module):
         current weights, parametrizations, hooks and replacements are what runs: nothing is cached.
         """
         cfg = self.config
-        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        q, k, v = _linear(self.q_proj, query), _linear(self.k_proj, key), _linear(self.v_proj, value)
         if tr is not None:
             self._record_projections(tr, (q, k, v), (query, key, value))
         return (
-            split_heads(q, cfg.num_heads, role="Q"),
-            split_heads(k, cfg.num_kv_heads, role="K"),
-            split_heads(v, cfg.num_kv_heads, role="V"),
+            _split_heads(q, cfg.num_heads, tr, "Q"),
+            _split_heads(k, cfg.num_kv_heads, tr, "K"),
+            _split_heads(v, cfg.num_kv_heads, tr, "V"),
         )
 
     def _record_projections(self, tr, outs: tuple, inputs: tuple) -> None:
@@ -451,11 +470,11 @@ class MultiHeadAttention(nn.Module):
         scale = default_scale(cfg.head_dim)
         if return_weights:
             return _functional.attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
-        return _functional.attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=cfg.backend), None
+        return _functional._attend(q, k, v, m, scale, dropout_p, cfg.backend, tr), None
 
     def _merge_output(self, o, tr) -> torch.Tensor:
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
-        out = self.out_proj(merge_heads(o))
+        out = _linear(self.out_proj, _merge_heads(o, tr))
         if tr is not None:
             tr.record("output projection", out, None, ("b", "t", "d_out"), note="W_O mixes the heads")
         return out

@@ -129,8 +129,12 @@ def resolve(name: str, call: Call) -> Backend:
     For ``"auto"`` this asks the backends in AUTO_ORDER only until one accepts; the reasons of
     all of them are gathered only when a trace is recording (it stores them).
     """
+    return _resolve(name, call, _trace.current())
+
+
+def _resolve(name: str, call: Call, tr) -> Backend:
+    """:func:`resolve`, for a caller that looked up the trace (``tr``, or None) already."""
     if name == "auto":
-        tr = _trace.current()
         if tr is not None:
             dispatch = explain_dispatch_call(call)
             tr.set_config(dispatch={"backend": dispatch.backend, "refused": dict(dispatch.refused)})
