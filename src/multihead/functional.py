@@ -119,7 +119,8 @@ def attend(
     return _attend(q, k, v, mask, scale, dropout_p, backend, _trace.current())
 
 
-def _attend(q, k, v, mask, scale: float, dropout_p: float, backend: str, tr) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], scale: float,
+            dropout_p: float, backend: str, tr: Optional[_trace.Trace]) -> torch.Tensor:
     """:func:`attend`, for a caller that looked up the trace (``tr``, or None) already."""
     chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p), tr)
     if tr is not None:

@@ -10,6 +10,8 @@ transpose the head axis is no longer next to the feature axis in memory.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import trace as _trace
@@ -31,7 +33,7 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return _merge_heads(x, _trace.current())
 
 
-def _split_heads(x: torch.Tensor, num_heads: int, tr, role: str = "") -> torch.Tensor:
+def _split_heads(x: torch.Tensor, num_heads: int, tr: Optional[_trace.Trace], role: str = "") -> torch.Tensor:
     """:func:`split_heads`, recording into ``tr`` (the caller's :func:`multihead.trace.current`, or None)."""
     B, L, F = x.shape
     y = x.view(B, L, num_heads, F // num_heads)
@@ -43,7 +45,7 @@ def _split_heads(x: torch.Tensor, num_heads: int, tr, role: str = "") -> torch.T
     return z
 
 
-def _merge_heads(x: torch.Tensor, tr) -> torch.Tensor:
+def _merge_heads(x: torch.Tensor, tr: Optional[_trace.Trace]) -> torch.Tensor:
     """:func:`merge_heads`, recording into ``tr`` (the caller's :func:`multihead.trace.current`, or None)."""
     B, H, L, D = x.shape
     y = x.transpose(1, 2)

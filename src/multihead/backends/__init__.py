@@ -132,7 +132,7 @@ def resolve(name: str, call: Call) -> Backend:
     return _resolve(name, call, _trace.current())
 
 
-def _resolve(name: str, call: Call, tr) -> Backend:
+def _resolve(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
     """:func:`resolve`, for a caller that looked up the trace (``tr``, or None) already."""
     if name == "auto":
         if tr is not None:
