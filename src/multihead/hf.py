@@ -44,7 +44,7 @@ layer with biases on only some projections gets zero biases on the others.
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional
+from typing import Mapping, Optional, TypeGuard, cast
 
 import torch
 import torch.nn as nn
@@ -62,7 +62,7 @@ _SUPPORTED = (
 )
 
 
-def _is_linear(m) -> bool:
+def _is_linear(m: object) -> TypeGuard[nn.Linear]:
     return isinstance(m, nn.Linear)
 
 
@@ -96,6 +96,11 @@ def _codec(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dr
         if has_bias:
             weights[f"{name}.bias"] = w.new_zeros(w.shape[0]) if b is None else b
     return config, config.check_weights(weights, "the layer's weights")
+
+
+def _linears(module: object, names: tuple[str, ...]) -> list[nn.Linear]:
+    """``module``'s attributes ``names``, which the caller has checked are nn.Linear (:func:`_has_linears`)."""
+    return [cast(nn.Linear, getattr(module, n)) for n in names]
 
 
 def _linear_pair(lin: nn.Linear):
@@ -165,17 +170,18 @@ def _check_scaling(module, head_dim: int) -> None:
         )
 
 
-def _from_bert(self_attn: nn.Module, dense: nn.Linear) -> tuple:
+def _from_bert(self_attn: object, dense: nn.Linear) -> tuple:
     num_heads = getattr(self_attn, "num_attention_heads", None)
     if not isinstance(num_heads, int):
         raise TypeError(f"{type(self_attn).__name__} has no integer num_attention_heads; pass {_SUPPORTED}")
-    d_out = self_attn.query.weight.shape[0]
+    query, key, value = _linears(self_attn, ("query", "key", "value"))
+    d_out = query.weight.shape[0]
     _check_scaling(self_attn, d_out // num_heads)
     dropout = getattr(getattr(self_attn, "dropout", None), "p", 0.0)
     linears = {
-        "q_proj": _linear_pair(self_attn.query),
-        "k_proj": _linear_pair(self_attn.key),
-        "v_proj": _linear_pair(self_attn.value),
+        "q_proj": _linear_pair(query),
+        "k_proj": _linear_pair(key),
+        "v_proj": _linear_pair(value),
         "out_proj": _linear_pair(dense),
     }
     causal = bool(getattr(self_attn, "is_causal", False))
@@ -186,8 +192,9 @@ def _from_llama(module: nn.Module) -> tuple:
     head_dim = getattr(module, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim < 1:
         raise TypeError(f"{type(module).__name__} has no integer head_dim; pass {_SUPPORTED}")
-    q_out = module.q_proj.weight.shape[0]
-    kv_out = module.k_proj.weight.shape[0]
+    q_proj, k_proj, v_proj, o_proj = _linears(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    q_out = q_proj.weight.shape[0]
+    kv_out = k_proj.weight.shape[0]
     if q_out % head_dim or kv_out % head_dim:
         raise ValueError(
             f"q_proj has {q_out} and k_proj {kv_out} outputs, not multiples of head_dim={head_dim}"
@@ -202,10 +209,10 @@ def _from_llama(module: nn.Module) -> tuple:
         )
     rope = _rope_settings(module)
     linears = {
-        "q_proj": _linear_pair(module.q_proj),
-        "k_proj": _linear_pair(module.k_proj),
-        "v_proj": _linear_pair(module.v_proj),
-        "out_proj": _linear_pair(module.o_proj),
+        "q_proj": _linear_pair(q_proj),
+        "k_proj": _linear_pair(k_proj),
+        "v_proj": _linear_pair(v_proj),
+        "out_proj": _linear_pair(o_proj),
     }
     dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
     return _codec(linears, num_heads=q_out // head_dim, num_kv_heads=kv_out // head_dim,

@@ -15,7 +15,7 @@ Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 
@@ -129,9 +129,10 @@ def check_weighted_sum(weights: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
 def check_output_projection(merged: torch.Tensor, out: torch.Tensor, linear: torch.nn.Linear) -> bool:
     """out (B, Lq, d_out) = merged (B, Lq, d_out) @ W_Oᵀ + b."""
-    if linear.bias is None:
+    bias: Optional[torch.Tensor] = linear.bias  # torch annotates it Tensor; bias=False makes it None
+    if bias is None:
         return close_to_float64(out, lambda m, w: m @ w.T, merged, linear.weight.detach())[0]
-    return close_to_float64(out, lambda m, w, b: m @ w.T + b, merged, linear.weight.detach(), linear.bias.detach())[0]
+    return close_to_float64(out, lambda m, w, b: m @ w.T + b, merged, linear.weight.detach(), bias.detach())[0]
 
 
 def plain_forward(mha, inputs: tuple, dtype: torch.dtype, *, dropout_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -209,6 +210,7 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
     steps = trace.steps
     if any(s.tensor is None for s in steps):
         raise ValueError("walkthrough_checks needs the step values: record with multihead.trace(keep_values=True)")
+    # from here on every step's tensor is set (the casts below rely on this check)
     found: list[Check] = []
     q = _find(trace, "move heads forward Q")
     k = _find(trace, "repeat kv heads K") or _find(trace, "move heads forward K")
@@ -231,13 +233,13 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
         add_bias = _find(trace, "add bias")
         before_mask = add_bias or scaled
         keep = masked.extras["keep"]
-        found.append(Check(masked.label, "visible scores unchanged", check_mask(before_mask.tensor, masked.tensor, keep)))
+        found.append(Check(masked.label, "visible scores unchanged", check_mask(before_mask.tensor, cast(torch.Tensor, masked.tensor), keep)))
         if masked.name == "causal mask":
             lq, lk = masked.shape[-2:]
             found.append(Check(masked.label, "mask is triu(ones, diagonal=1 + Lk - Lq) flipped", check_causal_keep(keep, lq, lk)))
     last_scores = masked or _find(trace, "add bias") or scaled
     if last_scores and softmax:
-        found.append(Check(softmax.label, "equals softmax in float64", check_softmax(last_scores.tensor, softmax.tensor)))
+        found.append(Check(softmax.label, "equals softmax in float64", check_softmax(cast(torch.Tensor, last_scores.tensor), softmax.tensor)))
     if softmax and dropout:
         found.append(Check(dropout.label, "each weight is 0 or weight / (1 - p)", check_dropout(softmax.tensor, dropout.tensor, c.dropout)))
     applied = dropout or softmax
@@ -246,6 +248,6 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
     if merged and out:
         found.append(Check(out.label, "equals merged × W_Oᵀ in float64", check_output_projection(merged.tensor, out.tensor, mha.out_proj)))
     if out:
-        keep = (dropout.tensor != 0) if dropout else None
-        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=keep)[0]))
+        dropout_keep = (dropout.tensor != 0) if dropout else None
+        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=dropout_keep)[0]))
     return found

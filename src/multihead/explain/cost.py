@@ -46,7 +46,7 @@ def trace_cost(trace: Trace) -> list[StepCost]:
     """
     cfg = trace.config
     costs = []
-    score_shape = None  # (B, H, Lq, Lk), for the steps after the scores
+    score_shape: tuple[int, ...] | None = None  # (B, H, Lq, Lk), for the steps after the scores
     for s in trace.steps:
         n = math.prod(s.shape)
         size = _itemsize(s)
@@ -79,6 +79,8 @@ def trace_cost(trace: Trace) -> list[StepCost]:
             flops = 5 * n
             moved = 2 * n * size
         elif name == "weights × V":
+            if score_shape is None:  # the reference backend records the scores before this step
+                raise ValueError(f"trace_cost found {s.label!r} before the scores step; trace a whole forward pass")
             B, H, Lq, Lk = score_shape
             flops = 2 * B * H * Lq * Lk * s.shape[-1]
             moved = (B * H * Lq * Lk + B * H * Lk * s.shape[-1] + n) * size

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from html import escape
 from importlib import resources
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -122,9 +122,11 @@ def head_maps_from_trace(
             "(backend='reference' or return_weights=True)"
         ) from None
     weights = softmax.tensor
-    if weights is None:
+    before_softmax = _softmax_input(trace, softmax).tensor
+    # keep_values keeps every step's tensor or none: one None means all are
+    if weights is None or scores is None or before_softmax is None:
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
-    keep = _softmax_input(trace, softmax).tensor != float("-inf")
+    keep = before_softmax != float("-inf")
     cfg = trace.config
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
@@ -153,7 +155,8 @@ def _f32(value: float) -> Optional[float]:
     return target
 
 
-def _floats(t: torch.Tensor) -> list:
+def _floats(t: torch.Tensor) -> Union[list, Optional[float]]:
+    """Nested lists of :func:`_f32` values (one value, not a list, for a 0-d tensor)."""
     t = t.detach().to(torch.float32).cpu()
     if t.dim() == 0:
         return _f32(t.item())
@@ -375,6 +378,7 @@ def write(
 ) -> int:
     """Write ``--format html`` (trace and maps, see :func:`render_html`) or ``png`` (the heads of
     ``maps[start]``) to ``out`` (from :func:`prepare`; None = stdout)."""
+    data: Union[str, bytes]
     if args.format == "html":
         data = render_html(trace, maps, lang=args.lang, group=group, start=start, head=head)
     elif args.format == "png":

@@ -169,7 +169,7 @@ def step_svg(step, sizes: dict[str, int]) -> str:
     screen: input block(s), arrow, output block for a pattern step; else the output alone."""
     color = _COLORS[_role(step)]
     operands: list[list[tuple[str, ...]]] = []
-    out_axes = [(a,) for a in step.axes]
+    out_axes: list[tuple[str, ...]] = [(a,) for a in step.axes]
     if step.pattern:
         try:
             operands, right = parse_pattern(step.pattern)

@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 
 from . import check_out, write_output
+from ..config import _resolved
+from ..module import MultiHeadAttention
 from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
@@ -63,7 +65,7 @@ class Walkthrough:
     """Everything one ``multihead explain`` run computed."""
 
     config: ExampleConfig
-    module: torch.nn.Module
+    module: MultiHeadAttention
     inputs: tuple
     trace: Trace
     output: torch.Tensor
@@ -312,7 +314,7 @@ def render_text(w: Walkthrough, *, lang: str = "en", values: bool = True, color:
             out += _wrap(word("per_head_eval", lang), "  ")
         out.append("  " + word("max_diff", lang, diff=w.per_head.max_diff, tol=w.per_head.tolerance))
     if w.costs is not None:
-        out += ["", st.bold(word("cost", lang))] + _cost_lines(w, lang)
+        out += ["", st.bold(word("cost", lang))] + _cost_lines(w, w.costs, lang)
     out += [""] + _check_lines(w, lang, st)
     return "\n".join(out) + "\n"
 
@@ -332,21 +334,23 @@ def _table(rows: list[tuple], right: set) -> list[str]:
     return lines
 
 
-def _cost_lines(w: Walkthrough, lang: str) -> list[str]:
+def _cost_lines(w: Walkthrough, costs: list, lang: str) -> list[str]:
+    """The cost section of ``w``, whose ``costs`` (not None) the caller passes."""
     lines = _wrap(word("cost_note", lang, dtype=w.output.dtype).replace("torch.", ""), "  ")
-    rows = [(word("cost_step", lang), word("flops", lang), word("bytes", lang))]
-    for s, c in zip(w.trace.steps, w.costs):
+    rows: list[tuple] = [(word("cost_step", lang), word("flops", lang), word("bytes", lang))]
+    for s, c in zip(w.trace.steps, costs):
         rows.append((step_title(s.name, s.role, lang), f"{c.flops:,}", f"{c.bytes:,}"))
-    rows.append((word("total", lang), f"{sum(c.flops for c in w.costs):,}", f"{sum(c.bytes for c in w.costs):,}"))
+    rows.append((word("total", lang), f"{sum(c.flops for c in costs):,}", f"{sum(c.bytes for c in costs):,}"))
     lines += _table(rows, {1, 2})
     c, mc = w.config, w.module.config
-    lines += [""] + _wrap(word("heads_table", lang, Lq=c.tokens, Lk=c.key_tokens, d_out=mc.d_out), "  ")
-    table = _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, mc.d_out, bias=mc.bias)
+    d_out = _resolved(mc.d_out)
+    lines += [""] + _wrap(word("heads_table", lang, Lq=c.tokens, Lk=c.key_tokens, d_out=d_out), "  ")
+    table = _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, d_out, bias=mc.bias)
     rows = [tuple(word(k, lang) for k in ("heads_col", "hd_col", "attn_col", "proj_col", "total_col", "scores_col"))]
     for a in table:
         rows.append((a.heads, a.head_dim, f"{a.attention:,}", f"{a.projections:,}", f"{a.total:,}", f"{a.score_elements:,}"))
     lines += _table(rows, {0, 1, 2, 3, 4, 5})
-    core = 4 * c.batch * c.tokens * c.key_tokens * mc.d_out
+    core = 4 * c.batch * c.tokens * c.key_tokens * d_out
     lines += _wrap(word("heads_conclusion", lang, core=f"{core:,}"), "  ")
     return lines
 
@@ -402,7 +406,7 @@ def render_markdown(w: Walkthrough, *, lang: str = "en", values: bool = True) ->
         out += _wrap(word("per_head_line", lang, **w.sizes()), "")
         out += ["", "`" + word("max_diff", lang, diff=w.per_head.max_diff, tol=w.per_head.tolerance) + "`"]
     if w.costs is not None:
-        out += ["", f"## {word('cost', lang)}", "", "```text"] + _cost_lines(w, lang) + ["```"]
+        out += ["", f"## {word('cost', lang)}", "", "```text"] + _cost_lines(w, w.costs, lang) + ["```"]
     checks = w.checks
     held = sum(c.ok for c in checks)
     out += ["", f"## {word('checks', lang)} ({word('hold', lang, held=held, total=len(checks))})", ""]
@@ -447,7 +451,7 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
             "head_counts": [
                 {"heads": a.heads, "head_dim": a.head_dim, "attention_flops": a.attention,
                  "projection_flops": a.projections, "total_flops": a.total, "score_elements": a.score_elements}
-                for a in _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, mc.d_out, bias=mc.bias)
+                for a in _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, _resolved(mc.d_out), bias=mc.bias)
             ],
         }
     return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False) + "\n"
