@@ -154,7 +154,8 @@ class KVCache:
         """Bytes held by the two buffers (0 before the first append)."""
         if self.key is None:
             return 0
-        return self.key.nbytes + self.value.nbytes
+        key, value = self._buffers()
+        return key.nbytes + value.nbytes
 
     # ------------------------------------------------------------------ generation tools
     def reset(self, keep: Optional[torch.Tensor] = None) -> None:
@@ -198,13 +199,28 @@ class KVCache:
         self._check_rows(batch_index, "batch_index", same_batch=False)
         self._select(batch_index)
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value), once allocated: the two are set together (both None before the first write)."""
+        key, value = self.key, self.value
+        if key is None or value is None:
+            raise RuntimeError("the cache's buffers are read before the first write allocated them")
+        return key, value
+
+    def _padding(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keep, positions), with ``keep``: the two are set together (both None without it)."""
+        keep, positions = self.keep, self.positions
+        if keep is None or positions is None:
+            raise RuntimeError("the cache's padding is read but it was built without keep")
+        return keep, positions
+
     def _batch(self) -> Optional[int]:
         if self.key is not None and not self._fresh:
             return self.key.shape[0]
         return None if self.keep is None else self.keep.shape[0]
 
     def _device(self) -> torch.device:
-        return self.key.device if self.key is not None and not self._fresh else self.keep.device
+        # after _check_rows found a batch: the buffers' rows, or before the first write the padding's
+        return self.key.device if self.key is not None and not self._fresh else self._padding()[0].device
 
     def _check_rows(self, index, name: str, *, same_batch: bool) -> None:
         fix = f"e.g. {name}=torch.tensor([1, 0], device=...)"
@@ -240,19 +256,19 @@ class KVCache:
         """Trusted: ``index`` checked by `_check_rows`."""
         self._writable()
         if self.key is not None and not self._fresh:
-            for buf in (self.key, self.value):
+            for buf in self._buffers():
                 filled = buf[:, :, : self.length]
                 filled.copy_(filled.index_select(0, index))
         if self.keep is not None:
-            self.keep.copy_(self.keep.index_select(0, index))
-            self.positions.copy_(self.positions.index_select(0, index))
+            for pad in self._padding():
+                pad.copy_(pad.index_select(0, index))
 
     def _select(self, index: torch.Tensor) -> None:
         """Trusted: ``index`` checked by `_check_rows`."""
         if self.key is not None and not self._fresh:
-            self.key, self.value = (self._take_rows(buf, index) for buf in (self.key, self.value))
+            self.key, self.value = (self._take_rows(buf, index) for buf in self._buffers())
         if self.keep is not None:
-            self.keep, self.positions = self.keep.index_select(0, index), self.positions.index_select(0, index)
+            self.keep, self.positions = (pad.index_select(0, index) for pad in self._padding())
 
     def _take_rows(self, buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """New buffer of rows ``index`` of ``buf``; the filled part copied."""
@@ -331,7 +347,8 @@ class KVCache:
             )
         if self.key is None or self._fresh:
             return
-        want = (self.key.shape[0], self.key.shape[1], self.key.shape[3], self.value.shape[3])
+        key, value = self._buffers()
+        want = (key.shape[0], key.shape[1], key.shape[3], value.shape[3])
         got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
         if got != want:
             raise ValueError(
@@ -355,9 +372,9 @@ class KVCache:
             if self._fresh:
                 self.key = self.value = None  # nothing to keep: _allocate makes new ones
             else:
-                self.key, self.value = self.key.clone(), self.value.clone()
+                self.key, self.value = (buf.clone() for buf in self._buffers())
         if self.keep is not None and self.keep.is_inference():
-            self.keep, self.positions = self.keep.clone(), self.positions.clone()
+            self.keep, self.positions = (pad.clone() for pad in self._padding())
 
     def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Buffers for the layout of k, v (the old ones when they fit)."""
@@ -367,7 +384,7 @@ class KVCache:
         if (
             self.key is not None
             and tuple(self.key.shape) == layout
-            and self.value.shape[3] == v.shape[3]
+            and self._buffers()[1].shape[3] == v.shape[3]
             and self.key.dtype == k.dtype
             and self.key.device == k.device
         ):
@@ -388,13 +405,14 @@ class KVCache:
             self._allocate(k, v)
         start, n = self.length, k.shape[2]
         end = start + n
-        self.key.narrow(2, start, n).copy_(k)
-        self.value.narrow(2, start, n).copy_(v)
+        key, value = self._buffers()
+        key.narrow(2, start, n).copy_(k)
+        value.narrow(2, start, n).copy_(v)
         self.length = end
         mask = None if self.keep is None else _masks.key_padding(self.keep[:, :end])
         if n > 1:  # a single new token sees every key: no causal mask needed
             mask = _CAUSAL if mask is None else _CAUSAL & mask
-        return self.key.narrow(2, 0, end), self.value.narrow(2, 0, end), mask
+        return key.narrow(2, 0, end), value.narrow(2, 0, end), mask
 
 
 class StaticKVCache(KVCache):
@@ -468,13 +486,14 @@ class StaticKVCache(KVCache):
         if self._fresh:
             self._allocate(k, v)
         cols = self._columns(k.shape[2])
-        self.key.index_copy_(2, cols, k)
-        self.value.index_copy_(2, cols, v)
+        key, value = self._buffers()
+        key.index_copy_(2, cols, k)
+        value.index_copy_(2, cols, v)
         self._end.add_(k.shape[2])
         visible = torch.arange(self.max_len, device=cols.device) <= cols[:, None]  # (n, max_len)
         if self.keep is not None:
             visible = visible & self.keep[:, None, None, :]  # (B, 1, n, max_len)
-        return self.key, self.value, _masks.keep(visible)
+        return key, value, _masks.keep(visible)
 
 
 class KVCaches:

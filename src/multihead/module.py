@@ -49,7 +49,7 @@ from ._numerics import default_scale
 from .integrations.torch_mha import load_torch_state_dict
 from .backends import BackendName
 from .cache import KVCache
-from .config import AttentionConfig
+from .config import AttentionConfig, _resolved
 from .heads import _merge_heads, _split_heads
 from .rope import RoPE, RoPEScaling, rotate_half
 from . import hf as _hf, interop as _interop, per_head as _per_head
@@ -151,13 +151,16 @@ class MultiHeadAttention(nn.Module):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        rope_obj = rope if isinstance(rope, RoPE) else None
-        if rope_obj is not None:
-            rope, rope_base, rope_scaling = True, *_settings_of(rope_obj, rope_base, rope_scaling)
+        rope_obj: Optional[RoPE] = None
+        if isinstance(rope, RoPE):
+            rope_obj, rope_flag = rope, True
+            rope_base, rope_scaling = _settings_of(rope, rope_base, rope_scaling)
+        else:
+            rope_flag = rope  # AttentionConfig checks it is True or False
         cfg = AttentionConfig(
             d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, kdim=kdim,
             vdim=vdim, bias=bias, dropout=dropout, causal=causal, backend=backend,
-            rope=rope, rope_base=rope_base, rope_scaling=rope_scaling,
+            rope=rope_flag, rope_base=rope_base, rope_scaling=rope_scaling,
         )
         if rope_obj is not None and rope_obj.head_dim != cfg.head_dim:
             raise ValueError(
@@ -169,10 +172,11 @@ class MultiHeadAttention(nn.Module):
             rope_obj = RoPE(cfg.head_dim, cfg.rope_base, scaling=cfg.rope_scaling)
         self.rope = rope_obj
         factory = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(cfg.d_in, cfg.d_out, bias=cfg.bias, **factory)
-        self.k_proj = nn.Linear(cfg.kdim, cfg.kv_dim, bias=cfg.bias, **factory)
-        self.v_proj = nn.Linear(cfg.vdim, cfg.kv_dim, bias=cfg.bias, **factory)
-        self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
+        d_out = _resolved(cfg.d_out)
+        self.q_proj = nn.Linear(cfg.d_in, d_out, bias=cfg.bias, **factory)
+        self.k_proj = nn.Linear(_resolved(cfg.kdim), cfg.kv_dim, bias=cfg.bias, **factory)
+        self.v_proj = nn.Linear(_resolved(cfg.vdim), cfg.kv_dim, bias=cfg.bias, **factory)
+        self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
         self._causal_mask = _masks.causal() if cfg.causal else None
         # an nn.MultiheadAttention state_dict (in_proj_weight, ...) loads too
         self.register_load_state_dict_pre_hook(load_torch_state_dict)
@@ -240,7 +244,7 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_kv_heads
+        return _resolved(self.config.num_kv_heads)
 
     @property
     def head_dim(self) -> int:
@@ -270,7 +274,7 @@ class MultiHeadAttention(nn.Module):
     def _weights_like(self, query: torch.Tensor) -> torch.Tensor:
         """A tensor with the projections' dtype and device: q_proj's weight, without evaluating a
         parametrization (its first parameter then), or ``query`` for a q_proj without parameters."""
-        w = self.q_proj._parameters.get("weight")
+        w: Optional[torch.Tensor] = self.q_proj._parameters.get("weight")
         if w is None:
             w = next(self.q_proj.parameters(), query)
         return w
@@ -365,7 +369,8 @@ class MultiHeadAttention(nn.Module):
         key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
         batch, lq = query.shape[0], query.shape[1]
-        positions, lk, bound = 0, key.shape[1], None
+        positions: Union[int, torch.Tensor] = 0
+        lk, bound = key.shape[1], None
         if cache is not None:
             self._check_cache(cache, query, key, value)
             positions, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
@@ -396,8 +401,8 @@ class MultiHeadAttention(nn.Module):
             self._record_projections(tr, (q, k, v), (query, key, value))
         return (
             _split_heads(q, cfg.num_heads, tr, "Q"),
-            _split_heads(k, cfg.num_kv_heads, tr, "K"),
-            _split_heads(v, cfg.num_kv_heads, tr, "V"),
+            _split_heads(k, _resolved(cfg.num_kv_heads), tr, "K"),
+            _split_heads(v, _resolved(cfg.num_kv_heads), tr, "V"),
         )
 
     def _record_projections(self, tr, outs: tuple, inputs: tuple) -> None:
@@ -406,6 +411,7 @@ class MultiHeadAttention(nn.Module):
         [W_k; W_v]) gives the same Q, K, V as the separate products the module computed."""
         query, key, value = inputs
         linears = (self.q_proj, self.k_proj, self.v_proj)
+        stacked: tuple[int, ...]
         if key is query and value is query:
             stacked, note = (0, 1, 2), _FUSED_QKV
         elif value is key and self.config.kdim == self.config.vdim:
@@ -433,12 +439,15 @@ class MultiHeadAttention(nn.Module):
         an (L,) tensor of global positions (a context-parallel shard), or, with ``bound``, an
         (L,) or (B, L) tensor of positions below ``bound`` from a cache (per-row positions of a
         padded batch, a static cache's columns), applied without reading them on the host."""
+        rope = self.rope
+        if rope is None:  # an invariant: forward and the ring call this only for a module with rope
+            raise RuntimeError("_rotate needs a module built with rope")
         if bound is not None and isinstance(positions, torch.Tensor):
-            q, k = _rotate_at(self.rope, q, positions, bound), _rotate_at(self.rope, k, positions, bound)
+            q, k = _rotate_at(rope, q, positions, bound), _rotate_at(rope, k, positions, bound)
         elif isinstance(positions, torch.Tensor):
-            q, k = self.rope(q, positions=positions), self.rope(k, positions=positions)
+            q, k = rope(q, positions=positions), rope(k, positions=positions)
         else:
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            q, k = rope(q, positions), rope(k, positions)
         if tr is not None:  # the note is built only when recording (an f-string of a traced int breaks a graph)
             if bound is not None and isinstance(positions, torch.Tensor):
                 where = "positions from the cache" + (" (per row)" if positions.dim() == 2 else "")
@@ -446,7 +455,7 @@ class MultiHeadAttention(nn.Module):
                 where = f"global positions of this shard ({positions.numel()} tokens)"
             else:
                 where = f"positions {positions}..{positions + q.shape[2] - 1}"
-            note = f"{where}, base {self.rope.base:g}, rotate-half layout"
+            note = f"{where}, base {rope.base:g}, rotate-half layout"
             tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
             tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
         return q, k

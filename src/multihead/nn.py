@@ -185,7 +185,7 @@ class MultiheadAttention(nn.Module):
         if self.in_proj_bias is not None:
             nn.init.constant_(self.in_proj_bias, 0.0)
             nn.init.constant_(self.out_proj.bias, 0.0)
-        if self.bias_k is not None:
+        if self.bias_k is not None and self.bias_v is not None:  # set together (add_bias_kv)
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
@@ -247,6 +247,7 @@ class MultiheadAttention(nn.Module):
         if extra:  # the appended keys are visible to every query, as torch pads its masks with 0
             attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, extra))
             key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, extra))
+        mask: Optional[_masks.Mask]
         if is_causal and key_padding_mask is None and not need_weights:
             mask = _masks.causal(align="top_left")  # torch 2.13 reads only the hint here
         else:
@@ -381,7 +382,7 @@ class MultiheadAttention(nn.Module):
         (torch's order); and how many keys were appended."""
         n, h, _, d = k.shape
         extra_k, extra_v = [], []
-        if self.bias_k is not None:
+        if self.bias_k is not None and self.bias_v is not None:  # set together (add_bias_kv)
             extra_k.append(self.bias_k.view(1, h, 1, d).expand(n, h, 1, d).to(k.dtype))
             extra_v.append(self.bias_v.view(1, h, 1, d).expand(n, h, 1, d).to(v.dtype))
         if self.add_zero_attn:

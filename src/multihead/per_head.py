@@ -23,7 +23,7 @@ import torch.nn as nn
 from . import masks as _masks
 from ._checks import check_heads, check_module_inputs, check_positive_int
 from .backends.reference import compute_dtype
-from .config import AttentionConfig
+from .config import AttentionConfig, _resolved
 from .functional import attention
 
 __all__ = ["PerHeadAttention", "Head", "to_per_head", "from_per_head"]
@@ -75,9 +75,10 @@ class PerHeadAttention(nn.Module):
         self.config = cfg
         factory = {"device": device, "dtype": dtype}
         self.heads = nn.ModuleList(
-            Head(cfg.d_in, cfg.kdim, cfg.vdim, cfg.head_dim, cfg.bias, **factory) for _ in range(cfg.num_heads)
+            Head(cfg.d_in, _resolved(cfg.kdim), _resolved(cfg.vdim), cfg.head_dim, cfg.bias, **factory) for _ in range(cfg.num_heads)
         )
-        self.out_proj = nn.Linear(cfg.d_out, cfg.d_out, bias=cfg.bias, **factory)
+        d_out = _resolved(cfg.d_out)
+        self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
 
     def forward(
         self,

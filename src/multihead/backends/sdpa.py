@@ -63,12 +63,12 @@ def sdpa_mask_args(mask: Optional[Mask], shape, *, device, dtype):
     if _is_kernel_causal(mask, shape):
         return None, True
     mt = mask.materialize(shape, device=device, dtype=compute_dtype(dtype))
-    if mt.bias is None:
+    if mt.bias is not None:
+        t = mt.bias if mt.keep is None else mt.bias.masked_fill(~mt.keep, float("-inf"))
+    elif mt.keep is not None:
         t = mt.keep
-    elif mt.keep is None:
-        t = mt.bias
-    else:
-        t = mt.bias.masked_fill(~mt.keep, float("-inf"))
+    else:  # an invariant: a mask has at least one part, and every leaf builds a keep or a bias
+        raise RuntimeError(f"{mask!r} materialized to neither a keep nor a bias tensor")
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)), False  # 4-D: see the module docstring
 
 
@@ -216,7 +216,10 @@ def _auto_declines(call: Call) -> Optional[str]:
         mask = f" and its {p.mask} ({_size(p.mask_bytes)})" if p.mask_bytes else ""
         return (f"torch would run its {p.kernel} kernel for this call ({p.why_math or 'no fused kernel known'}) "
                 f"with dense scores of {_size(p.scores_bytes)}{mask}, {over}")
-    return (f"its dense mask {call.mask!r} of shape {call.mask.dense_shape((*call.q.shape[:3], call.k.shape[2]))} "
+    dense = call.mask
+    if dense is None:  # an invariant: no dense scores here, so the bytes over budget are a mask's
+        raise RuntimeError("a call without a mask was planned over the dense mask budget")
+    return (f"its dense mask {dense!r} of shape {dense.dense_shape((*call.q.shape[:3], call.k.shape[2]))} "
             f"would take {_size(p.mask_bytes)}, {over}")
 
 
