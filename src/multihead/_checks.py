@@ -160,9 +160,10 @@ def check_indices(value, size: int, name: str, what: str) -> list:
     for i in value:
         if isinstance(i, bool) or not isinstance(i, numbers.Integral):
             raise TypeError(f"{name} must hold ints, got {type(i).__name__}")
-        if not 0 <= i < size:
-            raise ValueError(f"{name} has {i}, but there are {size} {what}s: use indices 0 .. {size - 1}")
-        out.append(int(i))
+        index = int(i)
+        if not 0 <= index < size:
+            raise ValueError(f"{name} has {index}, but there are {size} {what}s: use indices 0 .. {size - 1}")
+        out.append(index)
     return out
 
 

@@ -165,7 +165,8 @@ def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "con
     rank, world_size = _check_rank(rank, world_size)
     _check_layout(layout)
     pieces = world_size * _chunks_per_rank(layout)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len % pieces:
+    given: object = seq_len  # checked as the user may pass anything
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral) or int(given) % pieces:
         raise ValueError(f"seq_len must be an int multiple of {pieces} for the {layout} layout, got {seq_len!r}")
     segs = _segments(rank, world_size, seq_len // world_size, layout)
     return torch.cat([torch.arange(g, g + n, device=device) for _, g, n in segs])
@@ -200,7 +201,10 @@ class _Ring:
                 "ring_attention needs torch.distributed: call torch.distributed.init_process_group"
                 "(backend='gloo' or 'nccl') first, e.g. in a script launched with torchrun"
             )
-        self.group = dist.group.WORLD if group is None else group
+        chosen = dist.group.WORLD if group is None else group
+        if chosen is None:  # initialised above, so the default group exists
+            raise RuntimeError("torch.distributed has no default process group; pass group=")
+        self.group = chosen
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the process group passed as group")
@@ -363,7 +367,8 @@ def _agree(ring: _Ring, descriptor: list[int]) -> None:
             differ = [first]
     if _CAUSAL in differ and _LAYOUT in differ:
         differ.remove(_LAYOUT)
-    lines, odd = [], set()
+    lines: list[str] = []
+    odd: set[int] = set()
     for i in differ:
         column = columns[i]
         by_value: dict[int, list[int]] = {}
