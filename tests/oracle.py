@@ -101,6 +101,7 @@ Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -126,6 +127,28 @@ def one_thread():
 
 
 #: roundings in the compute dtype of the terms' size (accumulation order, rescaling)
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch on ``n`` intra-op threads inside the block, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside the block, restored afterwards."""
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
 FLOOR_ULPS = 4
 #: half inputs: ulps of the result's own magnitude for the final cast (the path's and the naive code's)
 CAST_ULPS = 1

@@ -30,31 +30,11 @@ from torch._dynamo.utils import counters
 
 import multihead
 from multihead.backends import chunked
-from oracle import MaskPart, combine, judge
+from oracle import MaskPart, combine, deterministic_algorithms, judge, torch_threads
 from test_properties import (Case, ModuleCase, Oracle, _values, assert_agrees, forward_backward, module_oracle,
                              oracle_run)
 
 BACKENDS = ("reference", "sdpa", "chunked", "auto")
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def _deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 #: name -> (context factory, whether autograd records in it, the dtype the attention computes in)
@@ -63,11 +43,11 @@ CONTEXTS = {
     "no_grad": (torch.no_grad, False, None),
     "inference_mode": (torch.inference_mode, False, None),
     "autocast_bf16": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), True, torch.bfloat16),
-    "deterministic": (_deterministic, True, None),
-    "threads_1": (lambda: _threads(1), True, None),
-    "threads_2": (lambda: _threads(2), True, None),
-    "threads_3": (lambda: _threads(3), True, None),
-    "threads_8": (lambda: _threads(8), True, None),
+    "deterministic": (deterministic_algorithms, True, None),
+    "threads_1": (lambda: torch_threads(1), True, None),
+    "threads_2": (lambda: torch_threads(2), True, None),
+    "threads_3": (lambda: torch_threads(3), True, None),
+    "threads_8": (lambda: torch_threads(8), True, None),
 }
 
 
@@ -151,9 +131,9 @@ def test_attention_in_every_context_matches_float64_oracle(backend, kind, contex
 def test_deterministic_mode_repeats_bit_for_bit_at_every_thread_count(backend, kind):
     """Under deterministic algorithms the output and every gradient are bitwise equal from run to run."""
     case = _case(kind)
-    with _deterministic():
+    with deterministic_algorithms():
         for threads in (1, 3, 8):
-            with _threads(threads):
+            with torch_threads(threads):
                 first = _run_attention(case, backend, "grad")
                 again = _run_attention(case, backend, "grad")
             assert torch.equal(first[0], again[0]), f"{threads} threads: outputs differ"

@@ -29,7 +29,7 @@ import multihead
 from multihead import backends
 from multihead.backends import chunked
 from multihead.backends.chunked import chunked_attention
-from oracle import MaskPart, combine, one_thread
+from oracle import MaskPart, combine, one_thread, torch_threads
 from test_properties import Case, Oracle, assert_agrees, forward_backward, oracle_run
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -74,16 +74,6 @@ def panel_budget(scores):
         yield
     finally:
         chunked.PANEL_SCORES = before
-
-
-@contextlib.contextmanager
-def torch_threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=0) -> Case:
