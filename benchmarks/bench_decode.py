@@ -45,8 +45,8 @@ class RawStep:
         self.w_qkv = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach()
         self.b_qkv = torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]).detach()
         self.w_o, self.b_o = m.out_proj.weight.detach(), m.out_proj.bias.detach()
-        self.k_buf = torch.empty(1, self.H, max_len, self.D)
-        self.v_buf = torch.empty(1, self.H, max_len, self.D)
+        self.k_buf = keys.new_empty(1, self.H, max_len, self.D)  # the cached keys' device and dtype
+        self.v_buf = values.new_empty(1, self.H, max_len, self.D)
         n = keys.shape[2]
         self.k_buf[:, :, :n] = keys
         self.v_buf[:, :, :n] = values

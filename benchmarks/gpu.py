@@ -62,6 +62,7 @@ import multihead  # noqa: E402
 from multihead import masks  # noqa: E402
 
 from . import harness as h  # noqa: E402
+from .bench_decode import RawStep  # noqa: E402
 from .impls import RawSDPA  # noqa: E402
 
 #: the dtypes measured on each device; the chunked rows use the first
@@ -162,30 +163,6 @@ def module_rows(device: str, plan: Plan) -> list:
 
 
 # ----------------------------------------------------------------------------- decode step
-class RawDecodeStep:
-    """One decode step (B=1, no RoPE) by hand over preallocated buffers: fused QKV linear, in-place
-    cache write, SDPA over the filled part, output linear. ``keys``/``values`` (1, H, n, D) are
-    the n cached tokens; each call writes token n (and so always attends to n + 1 keys)."""
-
-    def __init__(self, m: multihead.MultiHeadAttention, keys: torch.Tensor, values: torch.Tensor, max_len: int):
-        c = m.config
-        self.H, self.D, self.d = c.num_heads, c.head_dim, c.d_out
-        self.w_qkv = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach()
-        self.b_qkv = torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]).detach()
-        self.w_o, self.b_o = m.out_proj.weight.detach(), m.out_proj.bias.detach()
-        self.n = keys.shape[2]
-        self.k_buf = keys.new_empty(1, self.H, max_len, self.D)
-        self.v_buf = values.new_empty(1, self.H, max_len, self.D)
-        self.k_buf[:, :, : self.n] = keys
-        self.v_buf[:, :, : self.n] = values
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.n
-        q, k, v = F.linear(x, self.w_qkv, self.b_qkv).view(1, 1, 3, self.H, self.D).unbind(2)
-        self.k_buf[:, :, n:n + 1].copy_(k.transpose(1, 2))
-        self.v_buf[:, :, n:n + 1].copy_(v.transpose(1, 2))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), self.k_buf[:, :, :n + 1], self.v_buf[:, :, :n + 1])
-        return F.linear(o.transpose(1, 2).reshape(1, 1, self.d), self.w_o, self.b_o)
 
 
 def decode_rows(device: str, plan: Plan) -> list:
@@ -201,7 +178,7 @@ def decode_rows(device: str, plan: Plan) -> list:
         print(f"  decode {case}", flush=True)
         with torch.no_grad():
             m(prompt, cache=cache)
-            raw = RawDecodeStep(m, cache.keys, cache.values, n + 1)
+            raw = RawStep(m, cache.keys, cache.values, n + 1)
 
             def module_step():
                 cache.length = n  # rewind, so that every call appends token n + 1
