@@ -12,6 +12,7 @@ import torch
 import multihead
 from multihead import backends, masks
 from oracle import attention_or_refusal, module_or_refusal, one_thread
+from oracle import deterministic_algorithms as oracle_deterministic_algorithms
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -96,15 +97,12 @@ def test_module_return_weights_same_seed():
     assert_bit_identical(first, module_run("auto", seed=5, training=True, return_weights=True))
 
 
-@pytest.fixture
-def deterministic_algorithms():
+@pytest.fixture(name="deterministic_algorithms")
+def _deterministic_algorithms_fixture():
     """torch.use_deterministic_algorithms(True) for one test, restored afterwards."""
-    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    before = torch.are_deterministic_algorithms_enabled()
+    with oracle_deterministic_algorithms():
         yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
