@@ -441,6 +441,10 @@ def _register() -> None:
     AttentionInterface.register(_NAME, functools.partial(_recorded_attention))
 
 
+#: what a directory's tokenizer is saved as (transformers would otherwise make an empty one)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+
+
 @functools.lru_cache(maxsize=4)
 def _load(model: str) -> RealModel:
     from transformers.utils import logging as hf_logging
@@ -466,6 +470,9 @@ def _load(model: str) -> RealModel:
         if not cls.is_backend_compatible():
             raise ModelError(f"--model {model}: {cls.__name__}'s attention cannot run through multihead (it does not "
                              "call transformers' AttentionInterface); BERT-, Llama-, GPT-2-style models do")
+        if not any((Path(model) / f).is_file() for f in _TOKENIZER_FILES):
+            raise ModelError(f"--model {model}: no tokenizer transformers can load there (none of "
+                             f"{', '.join(_TOKENIZER_FILES)}); save one with tokenizer.save_pretrained")
         try:
             tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:
