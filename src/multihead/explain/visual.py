@@ -37,6 +37,7 @@ from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
 from .example import config_from_args, trace_example
+from .. import steps
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
 from .visual_svg import axis_sizes, step_kind, step_svg
 
@@ -114,8 +115,8 @@ def head_maps_from_trace(
     keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias).
     """
     try:
-        softmax = trace.step("softmax")
-        scores = trace.step("scale").tensor
+        softmax = trace.step(steps.SOFTMAX)
+        scores = trace.step(steps.SCALE).tensor
     except KeyError as e:
         raise ValueError(
             f"the trace has no attention steps ({e}); record it with the reference backend "
@@ -168,12 +169,11 @@ _GROUPS = ("batch", "layer")
 
 def _step_texts(trace: Trace) -> list[dict]:
     """Per step, its title, meaning and note in every language: {"title": {lang: text}, ...}."""
-    sizes = trace_sizes(trace)
     return [
         {
-            "title": {lang: step_title(s.name, s.role, lang) for lang in _text.LANGS},
-            "meaning": {lang: describe_step(s, lang, sizes) for lang in _text.LANGS},
-            "note": {lang: note_text(s.note, lang) or s.note for lang in _text.LANGS},
+            "title": {lang: step_title(s, lang) for lang in _text.LANGS},
+            "meaning": {lang: describe_step(s, lang, trace_sizes(trace, s)) for lang in _text.LANGS},
+            "note": {lang: note_text(s, lang) for lang in _text.LANGS},
         }
         for s in trace.steps
     ]
@@ -211,7 +211,7 @@ def page_data(
         "start": start,
         "head": head,
         "config": dict(trace.config) if trace is not None else {},
-        "steps": [{**s.to_dict(), "kind": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
+        "steps": [{**s.to_dict(), "effect": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
         "maps": [
             {
                 "title": m.title,
@@ -270,7 +270,7 @@ def _checks_html(trace: Trace) -> str:
     held = sum(ok for _, _, ok in checks)
     rows = "".join(
         f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> '
-        + _both({lang: f"{step_title(s.name, s.role, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
+        + _both({lang: f"{step_title(s, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
         + "</li>"
         for s, name, ok in checks
     )
