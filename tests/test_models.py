@@ -94,20 +94,41 @@ def test_a_local_decoder_directory_with_grouped_query_attention_and_rope(dirs):
     ]
 
 
-def test_the_layer_walkthrough_shows_the_real_numbers(dirs):
+def test_the_layer_walkthrough_shows_the_real_numbers_through_the_step_catalogue(dirs):
+    from multihead import steps
+    from multihead.explain import cost
+    from multihead.explain.real_model import layer_trace
+    from multihead.explain.visual import HeadMaps, render_html
+
     run = models.load(dirs["llama"]).run(SENTENCE)
     rec = run.layers[1]
+    tr = layer_trace(run, 1)
+    kinds = [s.kind for s in tr.steps]
+    assert kinds == [steps.INPUT, *[steps.PROJECT] * 3, *[steps.SPLIT_HEADS, steps.MOVE_HEADS_FORWARD] * 3,
+                     steps.ROPE, steps.ROPE, steps.REPEAT_KV, steps.REPEAT_KV, steps.SCORES, steps.SCALE, steps.MASK,
+                     steps.SOFTMAX, steps.WEIGHTED_SUM, steps.MOVE_HEADS_BACK, steps.MERGE_HEADS,
+                     steps.OUTPUT_PROJECTION]
+    assert {(s.path, s.layer) for s in tr.steps} == {("layers.1.self_attn", 1)}
+    for s in tr.steps:
+        assert set(s.kind.params) <= set(s.params), (s.kind.id, s.params)
+    assert torch.equal(tr.step(steps.SOFTMAX).tensor[0], rec.weights)
+    assert torch.equal(tr.step(steps.ROPE, role="Q").extras["cos"], rec.cos)
+    # the catalogue's consumers take it: cost, the page's step cards, titles in both languages
+    assert len(cost.trace_cost(tr)) == len(tr.steps)
+    page = render_html(tr, [HeadMaps(rec.weights, q_tokens=run.tokens, k_tokens=run.tokens)])
+    assert page.count('class="step') >= len(tr.steps)
+
     lines = layer_walkthrough(run, 1, 3, 4)
     text = "\n".join(lines)
     assert lines[1] == "sizes: L = 7 tokens, d = 64 features, H = 4 query heads, Hkv = 2 kv heads, D = 16"
-    assert "5. grouped-query attention: query head 3 reads key/value head 1, shared by query heads 2, 3" in text
-    assert "   q   " + " ".join(f"{x:+.3f}" for x in rec.q[3, 4, :8].tolist()) + " …" in lines
+    assert "query head 3 reads key/value head 1, shared by query heads 2, 3" in text
+    assert "   q[3, 4] " + " ".join(f"{x:+.3f}" for x in rec.q[3, 4, :8].tolist()) + " …" in lines
     assert "   1 1 1 1 1 0 0" in lines                               # the causal mask of token 4
-    score_rows = [line for line in lines[lines.index("6. scores q · k_j for every key j (before the scale):") + 1:]][:7]
-    assert [float(r.split()[-1]) for r in score_rows] == [round(x, 4) for x in rec.scores[3, 4].tolist()]
+    at = lines.index("15. scores QKᵀ  (1, 4, 7, 7)  'b h q d, b h k d -> b h q k'")
+    assert [float(r.split()[-1]) for r in lines[at + 2:at + 9]] == [round(x, 4) for x in rec.scores[3, 4].tolist()]
     assert all(len(line) <= 100 for line in lines)
     zh = layer_walkthrough(run, 1, 3, 4, "zh")
-    assert zh[0].startswith("llama，第 1 层")
+    assert zh[0].startswith("llama，第 1 层") and "旋转位置编码 RoPE（查询 Q）" in "\n".join(zh)
     with pytest.raises(ValueError, match="--token 7 is out of range"):
         layer_walkthrough(run, 1, 3, 7)
 
@@ -119,7 +140,8 @@ def test_cli_on_a_directory(dirs):
     rc, out, err = cli("--model", dirs["llama"], "--text", SENTENCE, "--neuron", "--layer", "1", "--head", "2")
     assert (rc, err) == (0, "") and out.startswith("Neuron view: llama, layer 1, head 2, query token 6 '.'")
     rc, out, err = cli("--model", dirs["bert"], "--text", SENTENCE, "--token", "2")
-    assert (rc, err) == (0, "") and "4. no rotary embedding" in out
+    assert (rc, err) == (0, "") and "rotary" not in out and "causal mask" not in out
+    assert "17. output projection  (1, 9, 32)" in out
 
 
 def test_registry_names_and_their_packages():

@@ -213,6 +213,7 @@ class LayerRecord:
     out: torch.Tensor
     output: Optional[torch.Tensor] = None
     module: Any = field(default=None, repr=False)
+    module_bias: bool = False   # whether the layer's projections have biases
 
     @property
     def causal(self) -> bool:
@@ -223,13 +224,15 @@ class LayerRecord:
 
 @dataclass
 class RealRun:
-    """A sentence through a model: its L tokens and one :class:`LayerRecord` per layer."""
+    """A sentence through a model: its L tokens and one :class:`LayerRecord` per layer; ``net``
+    is the transformers model that ran."""
 
     info: ModelInfo
     text: str
     tokens: list[str]
     ids: list[int]
     layers: list[LayerRecord]
+    net: Any = field(default=None, repr=False)
 
     @property
     def weights(self) -> torch.Tensor:
@@ -307,8 +310,10 @@ def _recorded_attention(module, query, key, value, attention_mask, scaling=None,
 
 def _scores(tr) -> torch.Tensor:
     """The q kᵀ step (before the scale) of the reference backend's trace."""
+    from .. import steps
+
     for s in tr.steps:
-        if s.name == "scores QKᵀ" and s.tensor is not None:
+        if s.kind is steps.SCORES and s.tensor is not None:
             return s.tensor
     raise ModelError("the attention call recorded no scores step; multihead's reference backend did not run")
 
@@ -412,13 +417,13 @@ class RealModel:
             module = call["module"]
             hidden, pos = rec["inputs"].get(id(module), (None, None))
             records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
-        return RealRun(self.info, text, tokens, ids[0].tolist(), records)
+        return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
 
     def _record(self, call: dict, hidden, pos, family: Optional[str], out_proj) -> LayerRecord:
         module = call.pop("module")
         D = call["q"].shape[-1]
         q_proj = k_proj = output = None
-        cos = sin = None
+        cos = sin = wq = None
         if pos is not None:
             cos, sin = (t[0].detach() for t in pos)
         if hidden is not None and family is not None:
@@ -428,8 +433,9 @@ class RealModel:
                 q_proj, k_proj = _split(wq(x), D), _split(wk(x), D)
                 if out_proj is not None:
                     output = out_proj(call["out"].transpose(0, 1).reshape(x.shape[0], -1))
+        bias = family is not None and (wq.bias is not None)
         return LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
-                           cos=cos, sin=sin, output=output, module=module, **call)
+                           cos=cos, sin=sin, output=output, module=module, module_bias=bias, **call)
 
 
 def _register() -> None:

@@ -30,9 +30,11 @@ from typing import Optional
 
 import torch
 
+from .. import steps
+from ..trace import Trace
 from . import UsageError, check_out, write_output
 from . import models as _models
-from .models import RealRun
+from .models import ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
@@ -315,40 +317,79 @@ def _or(value: Optional[int], default: int) -> int:
 
 
 # ---------------------------------------------------------------------------- one real layer
+def layer_trace(real: RealRun, layer: int) -> Trace:
+    """The steps of ``layer`` on the sentence, recorded through the step catalogue
+    (:mod:`multihead.steps`) with the tensors the model computed (batch 1): input, the Q/K/V
+    projections, the head split and transpose, the rotary embedding with the model's own cos/sin
+    (in the steps' ``extras``), the kv heads repeated for grouped-query attention, multihead's
+    scores, the scale, the mask, the softmax, weights × V, the merge and the output projection.
+
+    The trace's root is the model, so each step carries the layer's module path and index.
+    Raises ValueError for ``layer`` out of range, or a layer whose input multihead did not record
+    (an attention layout other than BERT's or Llama's).
+    """
+    real.check_indices(layer=layer)
+    rec, info = real.layers[layer], real.info
+    if rec.hidden is None or rec.q_proj is None or rec.k_proj is None:
+        raise ModelError(f"--token: {info.title}'s attention layout is not BERT's or Llama's, so its projections "
+                         "were not recorded; use --neuron, which needs only q, k and v")
+    H, Hkv, L, D = rec.q.shape[0], rec.k.shape[0], rec.q.shape[1], rec.q.shape[-1]
+    d = rec.hidden.shape[-1]
+    tr = Trace(root=real.net)
+    tr.set_config(d_in=d, kdim=d, d_out=H * D, num_heads=H, num_kv_heads=Hkv, head_dim=D, dropout=0.0,
+                  causal=rec.causal, bias=rec.module_bias, rope=rec.cos is not None, backend="reference")
+    b = rec.module_bias
+    tr.record(steps.INPUT, rec.hidden[None], module=rec.module)
+    heads = {"Q": rec.q_proj, "K": rec.k_proj, "V": rec.v}
+    for role, t in heads.items():
+        tr.record(steps.PROJECT, t.transpose(0, 1).reshape(1, L, -1), role=role,
+                  params={"f_in": d, "bias": b, "fused": None})
+    for role, t in heads.items():
+        split = t.transpose(0, 1)[None]
+        tr.record(steps.SPLIT_HEADS, split, role=role)
+        tr.record(steps.MOVE_HEADS_FORWARD, t[None], role=role)
+    if rec.cos is not None and rec.sin is not None:
+        base = float((info.rope or {}).get("base") or 0.0)
+        for role, t in (("Q", rec.q), ("K", rec.k)):
+            tr.record(steps.ROPE, t[None], role=role,
+                      params={"positions": "offset", "start": 0, "stop": L - 1, "base": base},
+                      extras={"cos": rec.cos, "sin": rec.sin})
+    g = H // Hkv
+    if g > 1:
+        for role, t in (("K", rec.k), ("V", rec.v)):
+            tr.record(steps.REPEAT_KV, t.repeat_interleave(g, 0)[None], role=role, params={"groups": g})
+    tr.record(steps.SCORES, rec.scores[None], params={"head_dim": D})
+    scaled = rec.scores * rec.scale
+    tr.record(steps.SCALE, scaled[None], params={"scale": rec.scale, "head_dim": D,
+                                                 "default": rec.scale == D ** -0.5})
+    if not bool(rec.keep.all()):
+        kinds = ("causal",) if rec.causal else ("keep",)
+        tr.record(steps.MASK, scaled.masked_fill(~rec.keep, float("-inf"))[None],
+                  params={"kinds": kinds, "code": "masks.causal()" if rec.causal else "masks.keep(mask)"},
+                  extras={"keep": rec.keep[None]})
+    tr.record(steps.SOFTMAX, rec.weights[None])
+    tr.record(steps.WEIGHTED_SUM, rec.out[None], params={"lk": L})
+    back = rec.out.transpose(0, 1)[None]
+    tr.record(steps.MOVE_HEADS_BACK, back)
+    tr.record(steps.MERGE_HEADS, back.reshape(1, L, -1), params={"view": False})
+    if rec.output is not None:
+        tr.record(steps.OUTPUT_PROJECTION, rec.output[None], params={"f_in": H * rec.out.shape[-1], "bias": b})
+    return tr
+
+
 _WALK = {
     "title": ("{model}, layer {layer}: multi-head attention step by step, head {head}, query token {token} {tok!r}",
               "{model}，第 {layer} 层：多头注意力逐步讲解，第 {head} 个头，查询 token {token} {tok!r}"),
     "sizes": ("sizes: L = {L} tokens, d = {d} features, H = {H} query heads, Hkv = {Hkv} kv heads, D = {D}",
               "尺寸：L = {L} 个 token，d = {d} 维特征，H = {H} 个查询头，Hkv = {Hkv} 个键/值头，每头 D = {D} 维"),
-    "first": ("(vectors: first {n} of their numbers)", "（向量：只显示前 {n} 个数）"),
-    "input": ("1. input x: (L, d) = ({L}, {d}); x[{t}] =", "1. 输入 x：(L, d) = ({L}, {d})；x[{t}] ="),
-    "project": ("2. project: Q = x W_qᵀ (L, H·D) = ({L}, {hd}); K, V = x W_kᵀ, x W_vᵀ (L, Hkv·D) = ({L}, {kvd})",
-                "2. 投影：Q = x W_qᵀ (L, H·D) = ({L}, {hd})；K, V = x W_kᵀ, x W_vᵀ (L, Hkv·D) = ({L}, {kvd})"),
-    "split": ("3. split heads: 'b t (h d) -> b h t d': Q (H, L, D) = ({H}, {L}, {D}), K and V ({Hkv}, {L}, {D}); "
-              "q[{head}, {t}] =",
-              "3. 拆分多头：'b t (h d) -> b h t d'：Q (H, L, D) = ({H}, {L}, {D})，K 和 V ({Hkv}, {L}, {D})；"
-              "q[{head}, {t}] ="),
-    "rotary": ("4. rotary position embedding, the model's own cos/sin at position {t}:\n"
-               "   q = q * cos + rotate_half(q) * sin (k likewise, each at its own position)",
-               "4. 旋转位置编码，模型自己在位置 {t} 的 cos/sin：\n"
-               "   q = q * cos + rotate_half(q) * sin（k 同样，各在自己的位置）"),
-    "no_rotary": ("4. no rotary embedding (positions entered with the input embeddings)",
-                  "4. 无旋转位置编码（位置信息在输入嵌入中）"),
-    "gqa": ("5. grouped-query attention: query head {head} reads key/value head {kv}, shared by query heads {group}",
-            "5. 分组查询注意力：第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它"),
-    "mha": ("5. every query head has its own key/value head (Hkv = H)", "5. 每个查询头都有自己的键/值头（Hkv = H）"),
-    "scores": ("6. scores q · k_j for every key j (before the scale):", "6. 分数 q · k_j，对每个键 j（缩放之前）："),
-    "scale": ("7. scale × {scale:.6g} (1/√{D}):", "7. 缩放 × {scale:.6g}（1/√{D}）："),
-    "mask": ("8. mask (1 = may attend, 0 = blocked → -inf):", "8. 掩码（1 = 可关注，0 = 屏蔽 → -inf）："),
-    "softmax": ("9. softmax over the keys (the row sums to 1):", "9. 对键做 softmax（每行和为 1）："),
-    "weighted": ("10. weights × V: out[{head}, {t}] = Σ_j w_j v_j (Dv = {Dv}) =",
-                 "10. 权重 × V：out[{head}, {t}] = Σ_j w_j v_j（Dv = {Dv}）="),
-    "merge": ("11. merge heads: 'b h t d -> b t (h d)': (L, H·D) = ({L}, {hd})",
-              "11. 合并多头：'b h t d -> b t (h d)'：(L, H·D) = ({L}, {hd})"),
-    "output": ("12. output projection W_O: (L, d) = ({L}, {d}); output[{t}] =",
-               "12. 输出投影 W_O：(L, d) = ({L}, {d})；output[{t}] ="),
-    "no_output": ("12. output projection W_O: (L, d) = ({L}, {d}) (not recorded for this model's layout)",
-                  "12. 输出投影 W_O：(L, d) = ({L}, {d})（此模型的结构未记录）"),
+    "first": ("(vectors: their first {n} numbers; the module: {path})", "（向量：只显示前 {n} 个数；模块：{path}）"),
+    "rotary": ("   the model's own cos/sin at position {t}: q = q * cos + rotate_half(q) * sin",
+               "   模型自己在位置 {t} 的 cos/sin：q = q * cos + rotate_half(q) * sin"),
+    "group": ("   query head {head} reads key/value head {kv}, shared by query heads {group}",
+              "   第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它"),
+    "row": ("   row {t} (query {tok!r}), one entry per key j:", "   第 {t} 行（查询 {tok!r}），每个键 j 一项："),
+    "mask_row": ("   row {t}: 1 = may attend, 0 = blocked (→ -inf)", "   第 {t} 行：1 = 可关注，0 = 屏蔽（→ -inf）"),
+    "no_output": ("(the output projection was not recorded for this model's layout)", "（此模型的结构未记录输出投影）"),
 }
 
 
@@ -358,60 +399,59 @@ def _w(key: str, lang: str, **kw) -> str:
 
 def _vec(t: torch.Tensor, n: int) -> str:
     more = " …" if t.shape[-1] > n else ""
-    return " ".join(f"{x:+.3f}" for x in t[:n].tolist()) + more
+    return "   " + " ".join(f"{x:+.3f}" for x in t[:n].tolist()) + more
 
 
 def layer_walkthrough(real: RealRun, layer: int, head: int, token: int, lang: str = "en", *, n: int = 8) -> list[str]:
-    """The tutorial's steps on one real layer, with the model's sizes and the numbers of the
-    sentence for query ``token`` of ``head`` (vectors: their first ``n`` numbers): input,
-    projections, the head split, the rotary embedding (the model's cos/sin), the kv group, the
-    scores q·k_j, the scale, the mask, the softmax, weights × V, the merge, the output projection.
+    """The tutorial's steps on one real layer (:func:`layer_trace`, titled by the step
+    catalogue), with the model's sizes and, for query ``token`` of ``head``, the numbers of the
+    sentence (vectors: their first ``n`` numbers; the scores, the mask and the weights: the whole row).
 
     Raises ValueError (naming ``--layer``/``--head``/``--token`` and the range) for an index out
     of range.
     """
     real.check_indices(layer=layer, head=head, token=token)
-    rec, info, tokens = real.layers[layer], real.info, real.tokens
-    L, H, Hkv, D = len(tokens), rec.q.shape[0], rec.k.shape[0], rec.q.shape[-1]
-    d = info.hidden if rec.hidden is None else rec.hidden.shape[-1]
+    tr = layer_trace(real, layer)
+    tokens, info = real.tokens, real.info
+    t, tok = token, tokens[token]
+    H, Hkv, D = tr.config["num_heads"], tr.config["num_kv_heads"], tr.config["head_dim"]
     kv = head // (H // Hkv)
-    group = info.kv_groups[kv] if H % Hkv == 0 and Hkv == info.kv_heads else tuple(range(H))
-    t = token
-    out = [_fit(_w("title", lang, model=info.title, layer=layer, head=head, token=t, tok=tokens[t])),
-           _fit(_w("sizes", lang, L=L, d=d, H=H, Hkv=Hkv, D=D)), _w("first", lang, n=n), ""]
-    if rec.hidden is not None:
-        out += [_w("input", lang, L=L, d=d, t=t), "   " + _vec(rec.hidden[t], n)]
-    out += [_fit(_w("project", lang, L=L, hd=H * D, kvd=Hkv * D))]
-    q_before = rec.q_proj[head, t] if rec.q_proj is not None else rec.q[head, t]
-    out += [_fit(_w("split", lang, H=H, L=L, D=D, Hkv=Hkv, head=head, t=t)), "   " + _vec(q_before, n)]
-    if rec.cos is not None and rec.sin is not None:
-        out += [*_w("rotary", lang, t=t).split("\n"), "   cos " + _vec(rec.cos[t], n), "   sin " + _vec(rec.sin[t], n),
-                "   q   " + _vec(rec.q[head, t], n)]
-    else:
-        out.append(_w("no_rotary", lang))
-    if Hkv < H:
-        out.append(_fit(_w("gqa", lang, head=head, kv=kv, group=", ".join(map(str, group)))))
-    else:
-        out.append(_w("mha", lang))
-    keep = rec.keep[head, t]
-    scores = rec.scores[head, t]
-    scaled = scores * rec.scale
-    w = rec.weights[head, t]
-    rows = [(j, tok) for j, tok in enumerate(tokens)]
-    out.append(_w("scores", lang))
-    out += [f"   {j:>2} {tok[:12]:<12} {scores[j].item():+10.4f}" for j, tok in rows]
-    out.append(_w("scale", lang, scale=rec.scale, D=D))
-    out += [f"   {j:>2} {tok[:12]:<12} {scaled[j].item():+10.4f}" for j, tok in rows]
-    out.append(_w("mask", lang))
-    out.append("   " + " ".join(str(int(k)) for k in keep.tolist()))
-    out.append(_w("softmax", lang))
-    out += [f"   {j:>2} {tok[:12]:<12} {w[j].item():.4f} " + "█" * round(w[j].item() * 40) for j, tok in rows]
-    out += [_fit(_w("weighted", lang, head=head, t=t, Dv=rec.out.shape[-1])), "   " + _vec(rec.out[head, t], n)]
-    out.append(_fit(_w("merge", lang, L=L, hd=H * rec.out.shape[-1])))
-    if rec.output is not None:
-        out += [_w("output", lang, L=L, d=d, t=t), "   " + _vec(rec.output[t], n)]
-    else:
-        out.append(_w("no_output", lang, L=L, d=d))
+    path = tr.steps[0].path or type(real.layers[layer].module).__name__
+    out = [_fit(_w("title", lang, model=info.title, layer=layer, head=head, token=t, tok=tok)),
+           _fit(_w("sizes", lang, L=len(tokens), d=tr.config["d_in"], H=H, Hkv=Hkv, D=D)),
+           _fit(_w("first", lang, n=n, path=path)), ""]
+    for i, step in enumerate(tr.steps, start=1):
+        x = step.tensor
+        assert x is not None
+        shape = "(" + ", ".join(map(str, step.shape)) + ")"
+        pattern = f"  '{step.pattern}'" if step.pattern else ""
+        out.append(_fit(f"{i:>2}. {step.title(lang)}  {shape}{pattern}"))
+        k = step.kind
+        if k is steps.INPUT or (k is steps.OUTPUT_PROJECTION):
+            out.append(f"   [{t}] " + _vec(x[0, t], n)[3:])
+        elif k is steps.PROJECT and step.role == "Q":
+            out.append(f"   [{t}] " + _vec(x[0, t], n)[3:])
+        elif k is steps.MOVE_HEADS_FORWARD and step.role == "Q":
+            out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
+        elif k is steps.ROPE and step.role == "Q":
+            out += [_fit(_w("rotary", lang, t=t)), "   cos" + _vec(step.extras["cos"][t], n)[2:],
+                    "   sin" + _vec(step.extras["sin"][t], n)[2:], f"   q[{head}, {t}] " + _vec(x[0, head, t], n)[3:]]
+        elif k is steps.REPEAT_KV and step.role == "K":
+            group = ", ".join(map(str, info.kv_groups[kv])) if info.kv_heads == Hkv else str(kv)
+            out.append(_fit(_w("group", lang, head=head, kv=kv, group=group)))
+        elif k in (steps.SCORES, steps.SCALE, steps.SOFTMAX):
+            out.append(_w("row", lang, t=t, tok=tok))
+            row = x[0, head, t]
+            for j, key in enumerate(tokens):
+                v = row[j].item()
+                bar = " " + "█" * round(v * 40) if k is steps.SOFTMAX else ""
+                out.append(f"   {j:>2} {key[:12]:<12} {v:+10.4f}{bar}")
+        elif k is steps.MASK:
+            out += [_w("mask_row", lang, t=t), "   " + " ".join(str(int(b)) for b in step.extras["keep"][0, head, t])]
+        elif k is steps.WEIGHTED_SUM:
+            out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
+    if tr.steps[-1].kind is not steps.OUTPUT_PROJECTION:
+        out.append(_w("no_output", lang))
     return out
 
 
