@@ -158,7 +158,7 @@ _WORDS = {
     "model": ("multihead's float32 run of the model: max |w - model w| = {dw:.2e}, max |q·k - model q·k| = {ds:.2e}",
               "multihead 在模型 float32 运行中的结果：max |w - 模型 w| = {dw:.2e}，max |q·k - 模型 q·k| = {ds:.2e}"),
     "q_row": ("q", "q"), "k": ("k_j", "k_j"), "qk": ("q ⊙ k_j", "q ⊙ k_j"), "sum": ("Σ = q·k_j", "Σ = q·k_j"),
-    "scaled": ("× scale", "× 缩放"), "weight": ("weight", "权重"), "wv": ("w_j v_j", "w_j v_j"),
+    "scaled": ("× scale", "× 缩放"), "weight": ("softmax weight", "softmax 权重"), "wv": ("w_j v_j", "w_j v_j"),
     "token": ("token", "token"), "cos": ("cos", "cos"), "sin": ("sin", "sin"),
     "before": ("q_proj", "q_proj"), "after": ("q (after RoPE)", "q（RoPE 之后）"),
     "html_intro": ("Hover a cell for its value. Orange: positive, blue: negative.",
@@ -239,7 +239,7 @@ _CSS = """
 .mh-neuron p{margin:2px 0 8px}
 .mh-neuron table{border-collapse:collapse}
 .mh-neuron td,.mh-neuron th{padding:1px 4px;white-space:nowrap;text-align:right}
-.mh-neuron th.v{text-align:left}
+.mh-neuron th.v,.mh-neuron td.w,.mh-neuron th.w{text-align:left}
 .mh-neuron th{font-weight:600;font-size:12px;color:#555}
 .mh-neuron td.tok{text-align:left;font-family:ui-monospace,monospace}
 .mh-neuron .vec{display:flex;gap:0}
@@ -272,7 +272,7 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
     top_qk = max(view.q.abs().max().item(), view.k.abs().max().item())
     top_p = view.products.abs().max().item()
     head = (f"<tr><th></th><th>{_w('token', lang)}</th><th class=v>{_w('k', lang)}</th><th class=v>{_w('qk', lang)}</th>"
-            f"<th>{_w('sum', lang)}</th><th>{_w('scaled', lang)} {view.scale:.4g}</th><th>{_w('weight', lang)}</th></tr>")
+            f"<th>{_w('sum', lang)}</th><th>{_w('scaled', lang)} {view.scale:.4g}</th><th class=w>{_w('weight', lang)}</th></tr>")
     rows = [f'<tr class="q"><td>q</td><td class="tok">{view.token} {escape(tok)}</td><td>{_vec(view.q, top_qk)}</td>'
             f'<td colspan="4"></td></tr>']
     for j, t in enumerate(view.tokens):
@@ -281,7 +281,7 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
             rows.append(
                 f'<tr class="key"><td>{j}</td><td class="tok">{escape(t)}</td><td>{_vec(view.k[j], top_qk)}</td>'
                 f'<td>{_vec(view.products[j], top_p)}</td><td class="num">{view.dots[j].item():+.3f}</td>'
-                f'<td class="num">{view.scaled[j].item():+.3f}</td><td class="num">{w:.3f} '
+                f'<td class="num">{view.scaled[j].item():+.3f}</td><td class="num w">{w:.3f} '
                 f'<span class="bar" style="width:{round(w * 80)}px"></span></td></tr>')
         else:
             rows.append(f'<tr class="blocked"><td>{j}</td><td class="tok">{escape(t)}</td><td></td><td></td>'

@@ -78,9 +78,10 @@ _TEXT = {
         "每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：",
     ),
     "legend_codes": ("labels:", "标签："),
-    "thresholds": ("(score = mean weight on that key over the rows that can show it; labelled at ≥ 0.5, broad: "
-                   "mean normalised entropy ≥ 0.85)",
-                   "（得分 = 能体现该模式的行上该键的平均权重；≥ 0.5 时标注，广泛：平均归一化熵 ≥ 0.85）"),
+    "thresholds": ("score = mean weight on that key over the rows that can show it, labelled at ≥ 0.5;\n"
+                   "broad: mean entropy / log(visible keys) ≥ 0.85 (explain/patterns.py)",
+                   "得分 = 能体现该模式的行上该键的平均权重，≥ 0.5 时标注；\n"
+                   "广泛：平均 熵 / log(可见键数) ≥ 0.85（explain/patterns.py）"),
     "found": ("Heads with a recognisable pattern (strongest of each kind):", "有明显模式的头（每类最强的一个）："),
     "none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
     "score_line": ("{label:<22} L{layer} H{head}  score {score:.2f}", "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}"),
@@ -210,9 +211,15 @@ def _grid(scores, labels, layers: list[int], heads: int, lang: str, tokens) -> l
             p = labels[layer][h]
             cells.append(f"{p.code}{float(scores[p.key][layer, h]):.2f}" if p is not None else "·")
         lines.append(f"  L{layer:<3}" + "".join(f"{c:>6}" for c in cells))
-    codes = "  ".join(f"{p.code} = {pattern_name(p, lang, tokens)}" for p in PATTERNS)
-    lines.append(_fit(f"  {_t('legend_codes', lang)} {codes}"))
-    lines.append(_fit("  " + _t("thresholds", lang)))
+    items = [f"{p.code} = {pattern_name(p, lang, tokens)}" for p in PATTERNS]
+    cur = f"  {_t('legend_codes', lang)}"
+    for item in items:
+        if display_width(cur + "  " + item) > WIDTH:
+            lines.append(cur)
+            cur = "   "
+        cur += "  " + item
+    lines.append(cur)
+    lines += ["  " + part for part in _t("thresholds", lang).split("\n")]
     return lines
 
 
