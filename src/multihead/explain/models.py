@@ -35,8 +35,10 @@ d the hidden size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import io
 import os
 import threading
 from dataclasses import dataclass, field
@@ -100,19 +102,13 @@ def _load_smollm2(path: str) -> tuple:
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from transformers.utils import logging as hf_logging
-
     config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
     with no_init_weights():
         net = AutoModel.from_config(config, attn_implementation=_NAME)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its per-tensor progress bar
-    try:
+    with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bar (tqdm, on stderr)
         tensors = load_gguf_checkpoint(os.path.join(path, SMOLLM2_GGUF), return_tensors=True,
                                        model_to_load=net)["tensors"]
-    finally:
-        hf_logging.set_verbosity(verbosity)
     net.load_state_dict(tensors, strict=True)
     return tokenizer, net
 

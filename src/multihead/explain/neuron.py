@@ -229,7 +229,7 @@ def render_text(view: NeuronView, lang: str = "en", *, dims: int = SHOWN_DIMS) -
     dw = (view.weights.float() - view.model_weights).abs().max().item()
     ds = (view.dots[visible].float() - view.model_scores[visible]).abs().max().item()
     lines += ["", _w("model", lang, dw=dw, ds=ds)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- html

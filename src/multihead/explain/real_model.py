@@ -459,7 +459,7 @@ def layer_walkthrough(real: RealRun, layer: int, head: int, token: int, lang: st
             out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
     if tr.steps[-1].kind is not steps.OUTPUT_PROJECTION:
         out.append(_w("no_output", lang))
-    return out
+    return [line.rstrip() for line in out]
 
 
 # ---------------------------------------------------------------------------- html and png
