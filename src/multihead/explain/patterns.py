@@ -34,7 +34,7 @@ score / threshold); a head passing none is unlabelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -119,8 +119,9 @@ def pattern_scores(weights: torch.Tensor, keep: Optional[torch.Tensor] = None) -
     return {k: v.float() for k, v in scores.items()}
 
 
-def label_heads(scores: dict[str, torch.Tensor]) -> list:
-    """For each head, the :class:`Pattern` it shows (or None), as nested lists shaped like the scores.
+def label_heads(scores: dict[str, torch.Tensor]) -> Any:
+    """For each head, the :class:`Pattern` it shows (or None), as nested lists shaped like the scores
+    (one Pattern or None for 0-d scores).
 
     A head passing several thresholds gets the pattern with the largest score / threshold.
     """
@@ -129,7 +130,7 @@ def label_heads(scores: dict[str, torch.Tensor]) -> list:
     best_ratio, best = ratio.max(dim=-1)
     flat = [PATTERNS[b] if r >= 1 else None for b, r in zip(best.flatten().tolist(), best_ratio.flatten().tolist())]
 
-    def nest(items, dims):
+    def nest(items: list[Optional[Pattern]], dims: list[int]) -> Any:
         if not dims:
             return items[0]
         step = len(items) // dims[0]
