@@ -42,12 +42,13 @@ import json
 import math
 import os
 import unicodedata
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import UsageError, check_out, write_output
+from . import ExplainWarning, UsageError, check_out, write_output
 
 __all__ = [
     "MODELS",
@@ -197,6 +198,12 @@ def attention_for_text(text: str, *, model: str = "minilm") -> tuple[list[str], 
     with torch.no_grad():
         out = net(**batch, output_attentions=True)
     tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
+    unknown = tokens.count(tokenizer.unk_token) if tokenizer.unk_token is not None else 0
+    if unknown:
+        warnings.warn(ExplainWarning(
+            f"text: {unknown} of {len(tokens)} tokens are {tokenizer.unk_token}: the {MODELS[model].name} "
+            f"vocabulary cannot represent them, so their rows and columns say nothing about the words; "
+            "use text in the model's language (English for minilm)"), stacklevel=2)
     return tokens, torch.stack([a[0] for a in out.attentions]).float()
 
 

@@ -36,7 +36,8 @@ import torch
 from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
-from .example import config_from_args, trace_example
+from .example import trace_example
+from .options import Options
 from .. import steps
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
 from .visual_svg import axis_sizes, step_kind, step_svg
@@ -348,7 +349,7 @@ def render_html(
 
 
 # ---------------------------------------------------------------------------- CLI
-def prepare(args, stdout=None) -> Optional[Path]:
+def prepare(args: Options, stdout=None) -> Optional[Path]:
     """Check ``--out`` (and matplotlib for png) before any work; returns the output path, or None
     for ``--out -`` (stdout).
 
@@ -366,7 +367,7 @@ def prepare(args, stdout=None) -> Optional[Path]:
 
 
 def write(
-    args,
+    args: Options,
     out: Optional[Path],
     trace: Optional[Trace],
     maps: Sequence[HeadMaps],
@@ -393,11 +394,11 @@ def write(
     return 0
 
 
-def run(args, stdout) -> int:
+def run(args: Options, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
     The example is :func:`.example.trace_example`, the forward pass the text walkthrough explains.
     """
     out = prepare(args, stdout)
-    trace = trace_example(config_from_args(args))
+    trace = trace_example(args.example)
     return write(args, out, trace, head_maps_from_trace(trace), stdout)
