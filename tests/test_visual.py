@@ -17,7 +17,7 @@ from multihead import Trace
 from multihead.cli import main, parse_options
 from multihead.explain import visual
 from multihead.explain.visual import HeadMaps, head_maps_from_trace, render_html, step_kind
-from multihead.explain.example import ExampleConfig, trace_example
+from multihead.explain.example import trace_example
 from multihead import steps
 from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_title, trace_sizes
 from multihead.explain.visual_svg import axis_sizes, parse_pattern, step_svg
