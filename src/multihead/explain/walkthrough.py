@@ -495,6 +495,9 @@ def run(options: Options, stdout) -> int:
     """``multihead explain`` for the text, json and markdown formats of ``options.example``.
     Returns the exit code: 0 when every check held, 1 when one failed. An ``out`` that cannot
     be written raises UsageError (a ValueError) before any work."""
+    if not isinstance(options, Options):
+        raise TypeError(f"options must be a multihead.explain.options.Options, got {type(options).__name__} "
+                        "(multihead.cli.parse_options builds one from command-line flags)")
     if options.format not in ("text", "json", "markdown"):
         raise ValueError(f"the walkthrough writes text, json or markdown, not {options.format!r}; "
                          "html and png are multihead.explain.visual.run")
