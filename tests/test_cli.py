@@ -135,8 +135,11 @@ def test_no_english_is_left_in_chinese_output(extra, tmp_path):
     texts = [s[k] for s in data["steps"] for k in ("title", "meaning")] + [c["text"] for c in data["checks"]]
     assert rc == 0 and _english(" ".join(texts), shown) == []
     page = tmp_path / "w.html"
-    assert run_cli("--lang", "zh", "--format", "html", "--out", str(page), *extra)[0] == 0
-    spans = re.findall(r'<span data-l="zh" lang="zh">(.*?)</span>', page.read_text(encoding="utf-8"))
+    rc, out, _ = run_cli("--lang", "zh", "--format", "html", "--out", str(page), *extra)
+    assert rc == 0 and out.startswith(f"已写入 {page}（")
+    text = page.read_text(encoding="utf-8")
+    spans = re.findall(r'<span data-l="zh" lang="zh">(.*?)</span>', text)
+    spans += re.findall(r'<p class="map-title" id="map-title">(.*?)</p>', text)
     assert spans and _english(html.unescape(" ".join(spans)), shown) == []
 
 
@@ -163,5 +166,6 @@ def test_text_the_vocabulary_cannot_represent_gets_a_warning():
     assert err == ("multihead: warning: text: 4 of 8 tokens are [UNK]: the all-MiniLM-L6-v2 vocabulary cannot "
                    "represent them, so their rows and columns say nothing about the words; use text in the "
                    "model's language (English for minilm)\n")
-    rc, _, err = run_cli("--model", "minilm", "--text", "The cat sat on the mat")
+    rc, english, err = run_cli("--model", "minilm", "--text", "The cat sat on the mat")
     assert (rc, err) == (0, "")
+    assert run_cli("--model", "minilm", "--text", "The cat sat on the mat", "--out", "-") == (0, english, "")

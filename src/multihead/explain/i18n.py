@@ -124,6 +124,7 @@ _WORDS = {
     "table_axes": ("axes", "轴"),
     "table_view": ("view", "view"),
     "meaning": ("meaning", "含义"),
+    "wrote": ("wrote {path} ({kib} KiB)", "已写入 {path}（{kib} KiB）"),
     "yes": ("yes", "是"),
     "no": ("no", "否"),
     # the HTML page's own labels (headings, buttons, legends), read by its script as ui(key)

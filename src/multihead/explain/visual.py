@@ -39,7 +39,7 @@ from . import visual_text as _text
 from .example import trace_example
 from .options import Options
 from .. import steps
-from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
+from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
@@ -137,7 +137,7 @@ def head_maps_from_trace(
     return [
         HeadMaps(
             weights=weights[b], scores=scores[b], keep=keep[b],
-            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
+            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · b = {b}",
         )
         for b in range(weights.shape[0])
     ]
@@ -390,7 +390,7 @@ def write(
         raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
     write_output(data, out, stdout)
     if out is not None:
-        print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+        print(word("wrote", args.lang, path=out, kib=out.stat().st_size // 1024 + 1), file=stdout)
     return 0
 
 
