@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from multihead.cli import build_parser
+from multihead.cli import parse_options
 from multihead.explain import visual
-from multihead.explain.example import ExampleConfig, trace_example
+from multihead.explain.example import trace_example
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_ARGS = [
@@ -49,10 +49,11 @@ def browser_page(tmp_path_factory):
         print(f"SKIP: {reason}", file=sys.stderr)
         pytest.skip(reason)
 
-    args = build_parser().parse_args(
-        ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
+    options = parse_options(
+        ["--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6",
+         "--causal"]
     )
-    trace = trace_example(ExampleConfig.from_args(args))
+    trace = trace_example(options.example)
     maps = visual.head_maps_from_trace(trace, q_tokens=TOKENS_Q, k_tokens=TOKENS_K)
     tmp = tmp_path_factory.mktemp("browser")
     page_path = tmp / "walkthrough.html"

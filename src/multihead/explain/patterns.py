@@ -143,7 +143,9 @@ def pattern_name(p: Optional[Pattern], lang: str, tokens: Optional[Sequence[str]
     """The label of ``p`` in ``lang`` ("en" or "zh"); first and last token name the token when
     ``tokens`` are given (``first token ([CLS])``); None reads "no clear pattern"."""
     if p is None:
-        return "no clear pattern" if lang == "en" else "无明显模式"
+        from .i18n import word
+
+        return word("model.no_label", lang)
     name = p.en if lang == "en" else p.zh
     if tokens and p.key in ("first", "last"):
         name += f" ({tokens[0 if p.key == 'first' else -1]})"

@@ -34,6 +34,7 @@ from .. import steps
 from ..trace import Trace
 from . import UsageError, check_out, write_output
 from . import models as _models
+from .i18n import word
 from .models import ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
@@ -55,51 +56,10 @@ __all__ = [
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
 WIDTH = 100
 
-_TEXT = {
-    "header": (
-        "{model}: {layers} layers x {heads} heads, {n} tokens.\n"
-        'Every weight below was computed by multihead.attention (attn_implementation="multihead").',
-        "{model}：{layers} 层 × {heads} 个头，{n} 个 token。\n"
-        '下面的每个权重都由 multihead.attention 计算（attn_implementation="multihead"）。',
-    ),
-    "decoder": ("decoder: every layer's mask is causal (token i sees tokens 0..i)",
-                "解码器：每一层的掩码都是因果的（token i 只看 token 0..i）"),
-    "encoder": ("encoder: every token sees every token", "编码器：每个 token 都能看到所有 token"),
-    "gqa": ("grouped-query attention: {kv} key/value heads of dim {D}; {groups}",
-            "分组查询注意力：{kv} 个键/值头，维度 {D}；{groups}"),
-    "group": ("kv {j} → q {qs}", "kv {j} → q {qs}"),
-    "mha": ("{heads} heads of dim {D}, each with its own keys and values",
-            "{heads} 个头，维度 {D}，每个头有自己的键和值"),
-    "rope": ("rotary position embedding: {type}, base {base:g} (applied to q and k in every layer)",
-             "旋转位置编码：{type}，base {base:g}（每层作用于 q 和 k）"),
-    "tokens": ("tokens:", "token："),
-    "grid": (
-        "Pattern of every head (letter = label, number = its score; · = no clear pattern):",
-        "每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：",
-    ),
-    "legend_codes": ("labels:", "标签："),
-    "thresholds": ("score = mean weight on that key over the rows that can show it, labelled at ≥ 0.5;\n"
-                   "broad: mean entropy / log(visible keys) ≥ 0.85 (explain/patterns.py)",
-                   "得分 = 能体现该模式的行上该键的平均权重，≥ 0.5 时标注；\n"
-                   "广泛：平均 熵 / log(可见键数) ≥ 0.85（explain/patterns.py）"),
-    "found": ("Heads with a recognisable pattern (strongest of each kind):", "有明显模式的头（每类最强的一个）："),
-    "none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
-    "score_line": ("{label:<22} L{layer} H{head}  score {score:.2f}", "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}"),
-    "map_title": ("layer {layer} head {head}", "第 {layer} 层 第 {head} 个头"),
-    "layer_title": ("{model}, layer {layer}: “{text}”", "{model}，第 {layer} 层：“{text}”"),
-    "scores": ("scores:", "得分："),
-    "shades": (
-        "Heat maps: row i = token i (query), column j = token j (key) it attends to, right: top keys.\n"
-        "Cells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60   (blank: masked)",
-        "热图：第 i 行 = 第 i 个 token（查询），第 j 列 = 它关注的第 j 个 token（键），\n"
-        "右侧：权重最大的键。\n"
-        "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60   （空白：被掩码）",
-    ),
-}
 
 
 def _t(key: str, lang: str, **kw) -> str:
-    return _TEXT[key][0 if lang == "en" else 1].format(**kw)
+    return word("model." + key, lang, **kw)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -384,24 +344,10 @@ def layer_trace(real: RealRun, layer: int) -> Trace:
     return tr
 
 
-_WALK = {
-    "title": ("{model}, layer {layer}: multi-head attention step by step, head {head}, query token {token} {tok!r}",
-              "{model}，第 {layer} 层：多头注意力逐步讲解，第 {head} 个头，查询 token {token} {tok!r}"),
-    "sizes": ("sizes: L = {L} tokens, d = {d} features, H = {H} query heads, Hkv = {Hkv} kv heads, D = {D}",
-              "尺寸：L = {L} 个 token，d = {d} 维特征，H = {H} 个查询头，Hkv = {Hkv} 个键/值头，每头 D = {D} 维"),
-    "first": ("(vectors: their first {n} numbers; the module: {path})", "（向量：只显示前 {n} 个数；模块：{path}）"),
-    "rotary": ("   the model's own cos/sin at position {t}: q = q * cos + rotate_half(q) * sin",
-               "   模型自己在位置 {t} 的 cos/sin：q = q * cos + rotate_half(q) * sin"),
-    "group": ("   query head {head} reads key/value head {kv}, shared by query heads {group}",
-              "   第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它"),
-    "row": ("   row {t} (query {tok!r}), one entry per key j:", "   第 {t} 行（查询 {tok!r}），每个键 j 一项："),
-    "mask_row": ("   row {t}: 1 = may attend, 0 = blocked (→ -inf)", "   第 {t} 行：1 = 可关注，0 = 屏蔽（→ -inf）"),
-    "no_output": ("(the output projection was not recorded for this model's layout)", "（此模型的结构未记录输出投影）"),
-}
 
 
 def _w(key: str, lang: str, **kw) -> str:
-    return _WALK[key][0 if lang == "en" else 1].format(**kw)
+    return word("model.walk." + key, lang, **kw)
 
 
 def _vec(t: torch.Tensor, n: int) -> str:

@@ -36,9 +36,10 @@ import torch
 from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
-from .example import config_from_args, trace_example
+from .example import trace_example
+from .options import Options
 from .. import steps
-from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
+from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
@@ -136,7 +137,7 @@ def head_maps_from_trace(
     return [
         HeadMaps(
             weights=weights[b], scores=scores[b], keep=keep[b],
-            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
+            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · b = {b}",
         )
         for b in range(weights.shape[0])
     ]
@@ -348,7 +349,7 @@ def render_html(
 
 
 # ---------------------------------------------------------------------------- CLI
-def prepare(args, stdout=None) -> Optional[Path]:
+def prepare(args: Options, stdout=None) -> Optional[Path]:
     """Check ``--out`` (and matplotlib for png) before any work; returns the output path, or None
     for ``--out -`` (stdout).
 
@@ -366,7 +367,7 @@ def prepare(args, stdout=None) -> Optional[Path]:
 
 
 def write(
-    args,
+    args: Options,
     out: Optional[Path],
     trace: Optional[Trace],
     maps: Sequence[HeadMaps],
@@ -389,15 +390,15 @@ def write(
         raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
     write_output(data, out, stdout)
     if out is not None:
-        print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+        print(word("wrote", args.lang, path=out, kib=out.stat().st_size // 1024 + 1), file=stdout)
     return 0
 
 
-def run(args, stdout) -> int:
+def run(args: Options, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
     The example is :func:`.example.trace_example`, the forward pass the text walkthrough explains.
     """
     out = prepare(args, stdout)
-    trace = trace_example(config_from_args(args))
+    trace = trace_example(args.example)
     return write(args, out, trace, head_maps_from_trace(trace), stdout)
