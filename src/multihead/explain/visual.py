@@ -96,10 +96,16 @@ class HeadMaps:
 
 
 # ---------------------------------------------------------------------------- maps from a trace
-def _softmax_input(trace: Trace, softmax: Step) -> Step:
-    """The step whose output the softmax read: the scores after scale, bias and mask."""
+def attention_steps(trace: Trace) -> Optional[tuple[Step, Step, Step]]:
+    """``(scores, before_softmax, softmax)``: the scaled scores, the scores the softmax read
+    (after bias and mask) and the weights, or None when the trace has no softmax step (a fused
+    backend records one step)."""
+    softmax = next((s for s in trace.steps if s.name == "softmax"), None)
+    scores = next((s for s in trace.steps if s.name == "scale"), None)
+    if softmax is None or scores is None:
+        return None
     i = next(i for i, s in enumerate(trace.steps) if s is softmax)
-    return trace.steps[i - 1]
+    return scores, trace.steps[i - 1], softmax
 
 
 def head_maps_from_trace(
@@ -113,20 +119,18 @@ def head_maps_from_trace(
     weights: the ``softmax`` step; scores: the ``scale`` step (scaled, before any mask);
     keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias).
     """
-    try:
-        softmax = trace.step("softmax")
-        scores = trace.step("scale").tensor
-    except KeyError as e:
+    found = attention_steps(trace)
+    if found is None:
         raise ValueError(
-            f"the trace has no attention steps ({e}); record it with the reference backend "
-            "(backend='reference' or return_weights=True)"
-        ) from None
+            "the trace has no attention steps (no scores and softmax); record it with the reference "
+            "backend (backend='reference' or return_weights=True), or use multihead.explain, which re-runs a fused one"
+        )
+    scores, before, softmax = found
     weights = softmax.tensor
-    before_softmax = _softmax_input(trace, softmax).tensor
     # keep_values keeps every step's tensor or none: one None means all are
-    if weights is None or scores is None or before_softmax is None:
+    if weights is None or scores.tensor is None or before.tensor is None:
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
-    keep = before_softmax != float("-inf")
+    keep = before.tensor != float("-inf")
     cfg = trace.config
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
@@ -134,7 +138,7 @@ def head_maps_from_trace(
     )
     return [
         HeadMaps(
-            weights=weights[b], scores=scores[b], keep=keep[b],
+            weights=weights[b], scores=scores.tensor[b], keep=keep[b],
             q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
         )
         for b in range(weights.shape[0])
@@ -195,13 +199,15 @@ def page_data(
     """
     if lang not in _text.LANGS:
         raise ValueError(f"lang must be one of {_text.LANGS}, got {lang!r}")
-    if not maps:
-        raise ValueError("maps is empty: pass one HeadMaps per batch element")
+    if not maps and trace is None:
+        raise ValueError("maps is empty and there is no trace: pass one HeadMaps per batch element, or a trace")
     if group not in _GROUPS:
         raise ValueError(f"group must be one of {_GROUPS}, got {group!r}")
-    if not 0 <= start < len(maps):
+    if not maps:
+        pass  # a trace of a fused backend: the steps and checks, no heat maps
+    elif not 0 <= start < len(maps):
         raise ValueError(f"start must index maps (0 to {len(maps) - 1}), got {start}")
-    if not 0 <= head < maps[start].num_heads:
+    elif not 0 <= head < maps[start].num_heads:
         raise ValueError(f"head must be 0 to {maps[start].num_heads - 1}, got {head}")
     texts = _step_texts(trace) if trace is not None else []
     return {

@@ -1,0 +1,295 @@
+"""``multihead.explain(module_or_trace, x, ...)``: the walkthrough of the user's own attention.
+
+>>> import torch, multihead
+>>> mha = multihead.MultiHeadAttention(8, 2, causal=True)            # backend="auto": one fused step
+>>> e = multihead.explain(mha, torch.randn(1, 3, 8))
+>>> e.reopened, e.agreement.ok, e.all_checks_hold
+(True, True, True)
+>>> "softmax" in e.text()
+True
+
+Any configuration of :class:`multihead.MultiHeadAttention` (self or cross attention, grouped
+query heads, masks, rotary embeddings, a KV cache, any backend) runs once on the user's inputs
+inside :func:`multihead.trace`, with values kept. A fused backend (sdpa, chunked, flex) records
+one step, with no scores and no weights to show: the same inputs are then run again on the
+reference backend (``return_weights=True``), every step of that run is shown, the output says so,
+and a check holds both outputs to the project's tolerance rule: the fused output may differ from
+a float64 run of the reference backend by at most twice the reference backend's own error in the
+inputs' dtype, plus a floor of 4 eps x the largest value (:mod:`multihead.explain.checks`).
+
+Nothing of the user's is changed: the module keeps its mode and weights, a cache given is copied
+before the run (the user's keeps its length), torch's random state is restored.
+
+The result, :class:`Explanation`, renders as ``.text(lang=)``, ``.markdown()``, ``.json()`` and
+``.html()`` (a self-contained page), and shows itself inline in Jupyter (``_repr_html_``: the page
+in an isolated ``<iframe srcdoc>``, :mod:`multihead.explain.notebook`).
+
+Legend: B batch, Lq/Lk query/key lengths, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..module import MultiHeadAttention
+from ..trace import Trace, trace
+from .checks import Check, _floor, _max_abs_diff
+from .example import LIMITS
+
+__all__ = ["Agreement", "Explanation", "explain"]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The fused backend's output against the reference backend's, on the same inputs.
+
+    backend: the fused backend that ran; max_diff: max |fused - reference|; error: max |fused -
+    float64 reference|; tolerance: the bound ``error`` is held to (2 x the reference backend's own
+    float64 error + 4 eps x max |value|); ok: error <= tolerance.
+    """
+
+    backend: str
+    max_diff: float
+    error: float
+    tolerance: float
+    ok: bool
+
+
+_WORDS = {
+    "reopened": (
+        "The {backend} backend ran this call as one fused step (no scores or weights to show). "
+        "The steps below are the same inputs run again on the reference backend; "
+        "max |{backend} - reference| = {diff:.3g}, and the {backend} output is within {tol:.3g} of "
+        "float64 ({err:.3g}).",
+        "{backend} 后端把这次调用作为一个融合步骤运行（没有可展示的分数和权重）。下面的步骤是同样的输入在 "
+        "reference 后端上重新运行的结果；max |{backend} − reference| = {diff:.3g}，{backend} 的输出与 "
+        "float64 相差 {err:.3g}，不超过容差 {tol:.3g}。",
+    ),
+    "agree": ("the {backend} output equals the reference backend's within tolerance",
+              "{backend} 的输出与 reference 后端的输出在容差内一致"),
+    "fused_only": (
+        "This trace holds one fused step ({backend}): pass the module and its inputs to multihead.explain "
+        "to see every step (it re-runs them on the reference backend).",
+        "该追踪只有一个融合步骤（{backend}）：把模块和输入传给 multihead.explain，即可看到每一步"
+        "（它会在 reference 后端上重新运行）。",
+    ),
+}
+
+
+def _word(key: str, lang: str, **fmt: Any) -> str:
+    return _WORDS[key][("en", "zh").index(lang)].format(**fmt)
+
+
+class Explanation:
+    """What :func:`explain` found: the trace shown, the checks, and the renderings.
+
+    Attributes:
+        trace: the :class:`multihead.Trace` whose steps are shown (the reference re-run when
+            the module's backend fused the call).
+        fused_trace: the trace of the user's own call when it was fused, else None.
+        agreement: :class:`Agreement` of the fused and reference outputs, or None.
+        output: the output of the user's call (B, Lq, d_out), or None for a trace given alone.
+        module: the module explained, or None for a trace given alone.
+    """
+
+    def __init__(self, trace: Trace, *, module: Optional[MultiHeadAttention] = None, inputs: tuple = (),
+                 output: Optional[torch.Tensor] = None, fused_trace: Optional[Trace] = None,
+                 agreement: Optional[Agreement] = None):
+        self.trace = trace
+        self.module = module
+        self.inputs = inputs
+        self.output = output
+        self.fused_trace = fused_trace
+        self.agreement = agreement
+
+    @property
+    def reopened(self) -> bool:
+        """True when the steps shown are a reference-backend re-run of a fused call."""
+        return self.fused_trace is not None
+
+    @property
+    def checks(self) -> list[Check]:
+        """Every check, from one list: the trace's own (each step's), then the recomputations of
+        :mod:`multihead.explain.checks`, then the fused/reference agreement."""
+        found = [Check(s.label, name, ok) for s in self.trace.steps for name, ok in s.checks.items()]
+        if self.agreement is not None:
+            found.append(Check("output projection", _word("agree", "en", backend=self.agreement.backend), self.agreement.ok))
+        return found
+
+    @property
+    def all_checks_hold(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def headline(self, lang: str = "en") -> str:
+        """The sentence that says where the steps come from ("" for a plain reference run)."""
+        _check_lang(lang)
+        a = self.agreement
+        if a is not None:
+            return _word("reopened", lang, backend=a.backend, diff=a.max_diff, err=a.error, tol=a.tolerance)
+        return ""
+
+    # -- renderings
+    def text(self, lang: str = "en", *, values: bool = True) -> str:
+        """The walkthrough as plain text (at most 100 columns a line)."""
+        _check_lang(lang)
+        lines = [str(self.trace)]
+        head = self.headline(lang)
+        return (head + "\n\n" if head else "") + "\n".join(lines) + "\n"
+
+    def markdown(self, lang: str = "en", *, values: bool = True) -> str:
+        """The walkthrough as Markdown."""
+        _check_lang(lang)
+        head = self.headline(lang)
+        return (head + "\n\n" if head else "") + "```text\n" + str(self.trace) + "\n```\n"
+
+    def json(self, lang: str = "en", *, values: bool = True) -> str:
+        """The walkthrough as JSON (valid JSON, no NaN)."""
+        _check_lang(lang)
+        data = self.trace.to_dict()
+        data["checks"] = [{"step": c.step, "name": c.name, "ok": c.ok} for c in self.checks]
+        if self.agreement is not None:
+            a = self.agreement
+            data["reopened"] = {"backend": a.backend, "max_abs_diff": a.max_diff, "error": a.error,
+                                "tolerance": a.tolerance, "ok": a.ok, "text": self.headline(lang)}
+        return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False) + "\n"
+
+    def html(self, lang: str = "en") -> str:
+        """One self-contained HTML page (inline CSS, JS and SVG; no network)."""
+        from . import visual
+
+        _check_lang(lang)
+        found = visual.attention_steps(self.trace)
+        maps = visual.head_maps_from_trace(self.trace) if found is not None and self.trace.keep_values else []
+        return visual.render_html(self.trace, maps, lang=lang)
+
+    def _repr_html_(self) -> str:
+        from .notebook import iframe
+
+        return iframe(self.html())
+
+    def __repr__(self) -> str:
+        held = sum(c.ok for c in self.checks)
+        how = f", re-run on the reference backend from {self.agreement.backend}" if self.agreement else ""
+        return f"<multihead.Explanation: {len(self.trace.steps)} steps{how}, checks {held}/{len(self.checks)} hold>"
+
+
+def _check_lang(lang: str) -> None:
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
+
+
+# ---------------------------------------------------------------------------------- running
+def _float64(obj: Any) -> Any:
+    """A float64 copy of a tensor, or of an object's floating tensor attributes (a KV cache);
+    anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.double() if obj.is_floating_point() else obj
+    if obj is None or not hasattr(obj, "__dict__"):
+        return obj
+    out = copy.deepcopy(obj)
+    for name, value in vars(out).items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            setattr(out, name, value.double())
+    return out
+
+
+def _check_inputs(module: MultiHeadAttention, inputs: Sequence[Any], cache: Any) -> None:
+    """Type and size checks before any work: the module's own forward checks the rest."""
+    if not inputs:
+        raise TypeError("explain(module, x, ...) needs the input x (B, Lq, d_in) to run the module on")
+    if len(inputs) > 3:
+        raise TypeError(f"explain(module, x, key=None, value=None) takes at most 3 tensors, got {len(inputs)}")
+    for name, t in zip(("x", "key", "value"), inputs):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (B, L, features), got {type(t).__name__}")
+    x = inputs[0]
+    if x is None or x.dim() != 3:
+        raise ValueError(f"x must be (B, Lq, d_in), got shape {None if x is None else tuple(x.shape)}")
+    keys = inputs[1] if len(inputs) > 1 and inputs[1] is not None else x
+    lq = x.shape[1]
+    lk = keys.shape[1] if keys.dim() == 3 else lq
+    if cache is not None:
+        lk = len(cache) + lq
+        if getattr(cache, "max_len", None) and type(cache).__name__ == "StaticKVCache":
+            lk = cache.max_len
+    limit = LIMITS["text"]
+    elements = x.shape[0] * module.config.num_heads * lq * lk
+    if max(lq, lk) > limit.tokens or elements > limit.scores:
+        raise ValueError(
+            f"x gives Lq={lq}, Lk={lk}, B*H*Lq*Lk={elements:,} score elements: the walkthrough shows at most "
+            f"{limit.tokens} tokens and {limit.scores:,} elements ({limit.why}); explain a shorter slice such as x[:, :16]"
+        )
+
+
+def _run(module: MultiHeadAttention, inputs: tuple, mask: Any, cache: Any, *, reference: bool) -> tuple[Trace, torch.Tensor]:
+    """``module(*inputs, mask=mask, cache=copy of cache)`` traced with values, under no_grad,
+    torch's random state restored; ``reference``: run the reference backend (return_weights)."""
+    devices = [inputs[0].device] if inputs[0].device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), trace(keep_values=True) as tr:
+        kwargs: dict[str, Any] = {"mask": mask}
+        if cache is not None:
+            kwargs["cache"] = copy.deepcopy(cache)
+        if reference:
+            out, _ = module(*inputs, return_weights=True, **kwargs)
+        else:
+            out = module(*inputs, **kwargs)
+    if reference:
+        tr.config["backend"] = "reference"
+    return tr, out
+
+
+def _agreement(module: MultiHeadAttention, inputs: tuple, mask: Any, cache: Any, backend: str,
+               fused: torch.Tensor, reference: torch.Tensor) -> Agreement:
+    module64 = copy.deepcopy(module).double()
+    _, ref64 = _run(module64, tuple(_float64(t) for t in inputs), _float64(mask), _float64(cache), reference=True)
+    tolerance = 2 * _max_abs_diff(reference, ref64) + _floor(ref64, fused.dtype)
+    error = _max_abs_diff(fused, ref64)
+    return Agreement(backend, _max_abs_diff(fused, reference), error, tolerance, error <= tolerance)
+
+
+def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cache: Any = None) -> Explanation:
+    """The walkthrough of ``source``: a :class:`multihead.MultiHeadAttention` run on ``inputs``,
+    or a :class:`multihead.Trace` the user recorded (then no inputs).
+
+    Args:
+        source: the module, or a trace recorded with ``keep_values=True`` (the default).
+        inputs: ``x`` (B, Lq, d_in), optionally ``key`` (B, Lk, kdim) and ``value`` (B, Lk, vdim),
+            as for ``module(x, key, value)``.
+        mask: as for the module's forward (a :mod:`multihead.masks` mask, a bool or float tensor).
+        cache: a :class:`multihead.KVCache` / ``StaticKVCache``: the call runs on a copy (yours
+            keeps its length).
+
+    Raises TypeError for a source that is neither, ValueError for inputs the module refuses or
+    that are too long to show (at most 256 tokens).
+    """
+    if isinstance(source, Trace):
+        if inputs or mask is not None or cache is not None:
+            raise TypeError("explain(trace) takes no inputs, mask or cache: the trace already ran; "
+                            "pass the module instead to run it on inputs")
+        if not source.steps:
+            raise ValueError("the trace recorded no steps: run the module inside `with multihead.trace() as tr:`")
+        return Explanation(source)
+    if not isinstance(source, MultiHeadAttention):
+        raise TypeError(
+            f"explain takes a multihead.MultiHeadAttention (and its inputs) or a multihead.Trace, got {type(source).__name__}"
+        )
+    _check_inputs(source, inputs, cache)
+    tr, out = _run(source, inputs, mask, cache, reference=False)
+    from .visual import attention_steps
+
+    if attention_steps(tr) is not None:
+        return Explanation(tr, module=source, inputs=inputs, output=out)
+    backend = str(tr.config.get("backend", source.config.backend))
+    if source.training and source.config.dropout:
+        raise ValueError(
+            f"the module is in training mode with dropout={source.config.dropout} on the {backend} backend, whose "
+            "dropout draws the reference backend cannot replay: call module.eval() first, or build it with backend='reference'"
+        )
+    ref, ref_out = _run(source, inputs, mask, cache, reference=True)
+    agreement = _agreement(source, inputs, mask, cache, backend, out, ref_out)
+    return Explanation(ref, module=source, inputs=inputs, output=out, fused_trace=tr, agreement=agreement)
