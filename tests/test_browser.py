@@ -258,7 +258,62 @@ def test_real_model_page_switches_heads_and_layers(open_page):
     assert page.inner_text("#map-title") == maps[4].title
     caps = page.eval_on_selector_all(".thumb .cap", "els => els.map(e => e.textContent)")
     assert caps == [f"head {h} · {maps[4].head_label(h)}" for h in range(12)]
+    layers_heads = page.eval_on_selector_all(".mv-thumb", "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.head)])")
+    assert layers_heads == [[layer, h] for layer in range(6) for h in range(12)]  # MiniLM: 6 layers x 12 heads
     page.click('.thumb[data-head="2"]')
     page.select_option("#batch-select", "0")
     page.click("#lang-toggle")
     assert page.inner_text("#head-label") == "前一个 token 1.00" == maps[0].head_label(2, "zh")
+
+
+def test_hover_on_a_score_works_it_out_by_hand(browser_page):
+    """The worked score: q_i · k_j summed term by term in the page, then scaled, for the cell
+    under the pointer; the sum is the float64 dot product of the trace's own q and k."""
+    page, _, maps, events = browser_page
+    page.select_option("#head-select", "2")
+    page.hover('#heat-scores .cell[data-q="3"][data-k="1"]')
+    box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset, {hidden: e.hidden})")
+    assert (box["hidden"], box["head"], box["q"], box["k"]) == (False, "2", "3", "1")
+    m = maps[0]
+    q, k = m.q[2, 3].double(), m.k[2, 1].double()
+    expected = sum(a * b for a, b in zip(q.tolist(), k.tolist()))   # the page's order, in float64
+    assert float(box["sum"]) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert float(box["scaled"]) == pytest.approx(expected * m.scale, rel=1e-12, abs=1e-15)
+    assert int(box["terms"]) == q.numel() == 4
+    text = page.inner_text("#worked-text")
+    fmt = lambda v: ("\u2212" if v < 0 else "") + f"{abs(v):.4f}"  # noqa: E731
+    assert " + ".join(f"({fmt(a)})({fmt(b)})" for a, b in zip(q.tolist(), k.tolist())) in text
+    assert f"= {fmt(expected)}" in text and f"= {fmt(expected * m.scale)}" in text
+    assert "q₃ · k₁" in text
+    # the scaled score it arrives at is the one the scores panel shows for that cell
+    shown = page.eval_on_selector('#heat-scores .cell[data-q="3"][data-k="1"]', "e => Number(e.dataset.v)")
+    assert float(box["scaled"]) == pytest.approx(shown, abs=8 * torch_eps32() * max(1.0, abs(shown)) * q.numel())
+    page.hover('#heat-scores .cell[data-q="0"][data-k="5"]')   # a blocked cell: worked, then masked
+    assert page.eval_on_selector("#worked", "e => e.dataset.k") == "5"
+    assert "−∞" in page.inner_text("#worked-text")
+    assert events["console_errors"] == []
+
+
+def torch_eps32() -> float:
+    import torch
+
+    return torch.finfo(torch.float32).eps
+
+
+def test_model_view_has_a_thumbnail_per_layer_and_head(open_page):
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    maps = [visual.HeadMaps(torch.softmax(torch.randn(4, 5, 5, generator=g), -1), title=f"layer {i}") for i in range(3)]
+    page, events, url = open_page(visual.render_html(None, maps, group="layer"))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    thumbs = page.eval_on_selector_all(".mv-thumb", "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.head)])")
+    assert thumbs == [[layer, h] for layer in range(3) for h in range(4)]
+    sizes = page.eval_on_selector_all(".mv-thumb canvas", "els => els.map(c => [c.width, c.height, c.getBoundingClientRect().width])")
+    assert all(w == 5 and h == 5 and shown >= 16 for w, h, shown in sizes)
+    page.click('.mv-thumb[data-layer="2"][data-head="3"]')
+    assert page.eval_on_selector("#batch-select", "e => e.value") == "2"
+    assert page.eval_on_selector("#head-select", "e => e.value") == "3"
+    assert _weights_shown(page) == pytest.approx(maps[2].weights[3].flatten().tolist(), abs=1e-6)
+    assert page.eval_on_selector_all(".mv-thumb.selected", "els => els.map(e => e.dataset.layer + '/' + e.dataset.head)") == ["2/3"]
+    assert page.is_hidden("#worked")   # weights only: no q and k to work a score out from

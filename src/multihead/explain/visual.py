@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from html import escape
@@ -34,6 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import UsageError, check_out, write_output
+from .._numerics import default_scale
 from ..trace import Step, Trace
 from . import visual_text as _text
 from .example import config_from_args, trace_example
@@ -55,6 +57,10 @@ class HeadMaps:
     title: one line saying what this is (model, layer, batch element).
     head_labels: {lang: H strings}, a short label per head after "head h" (a pattern the head
         shows), in "en" and optionally "zh"; None = no labels.
+    q / k: (H, Lq, D) queries and (H, Lk, D) keys per query head (a kv head repeated for its
+        group), the operands of the scores, or None; with both and ``scale`` the page works one
+        score out by hand (q_i · k_j = Σ_d q_id k_jd, times the scale) for the cell under the pointer.
+    scale: the factor the scores were multiplied by (1/√D by default), or None.
     """
 
     weights: torch.Tensor
@@ -64,6 +70,9 @@ class HeadMaps:
     scores: Optional[torch.Tensor] = None
     keep: Optional[torch.Tensor] = None
     head_labels: Optional[dict] = None
+    q: Optional[torch.Tensor] = None
+    k: Optional[torch.Tensor] = None
+    scale: Optional[float] = None
 
     def __post_init__(self):
         if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 3:
@@ -77,6 +86,16 @@ class HeadMaps:
             tokens = getattr(self, name)
             if tokens is not None and len(tokens) != n:
                 raise ValueError(f"{name} has {len(tokens)} tokens but the weights have {n} along that axis")
+        if (self.q is None) != (self.k is None):
+            raise ValueError("q and k come together (the operands of the scores): give both or neither")
+        if self.q is not None and self.k is not None:
+            H, Lq, Lk = shape
+            if self.q.dim() != 3 or tuple(self.q.shape[:2]) != (H, Lq):
+                raise ValueError(f"q must be (H, Lq, D) = ({H}, {Lq}, D) for weights of shape {shape}, got {tuple(self.q.shape)}")
+            if self.k.dim() != 3 or tuple(self.k.shape) != (H, Lk, self.q.shape[2]):
+                raise ValueError(f"k must be (H, Lk, D) = ({H}, {Lk}, {self.q.shape[2]}) for weights of shape {shape}, got {tuple(self.k.shape)}")
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale)):
+            raise ValueError(f"scale must be a finite number (the factor of the scores), got {self.scale!r}")
         if self.head_labels is not None:
             if "en" not in self.head_labels or not set(self.head_labels) <= set(_text.LANGS):
                 raise ValueError(f"head_labels must map 'en' (and optionally 'zh') to labels, got keys {sorted(self.head_labels)}")
@@ -96,16 +115,37 @@ class HeadMaps:
 
 
 # ---------------------------------------------------------------------------- maps from a trace
-def attention_steps(trace: Trace) -> Optional[tuple[Step, Step, Step]]:
-    """``(scores, before_softmax, softmax)``: the scaled scores, the scores the softmax read
-    (after bias and mask) and the weights, or None when the trace has no softmax step (a fused
-    backend records one step)."""
-    softmax = next((s for s in trace.steps if s.name == "softmax"), None)
-    scores = next((s for s in trace.steps if s.name == "scale"), None)
-    if softmax is None or scores is None:
+@dataclass(frozen=True)
+class AttentionSteps:
+    """The steps of a trace that the heat maps and the worked score are read from.
+
+    q / k: the operands of the scores (B, H, Lq, D) and (B, H, Lk, D) (after rotary embeddings,
+    the cache and the kv-head repeat); raw: q kᵀ; scaled: times the scale; before_softmax: the
+    scores the softmax read (after bias and mask); softmax: the weights. q and k are None for
+    a trace of the functional core alone (no projections recorded).
+    """
+
+    q: Optional[Step]
+    k: Optional[Step]
+    raw: Step
+    scaled: Step
+    before_softmax: Step
+    softmax: Step
+
+
+def attention_steps(trace: Trace) -> Optional[AttentionSteps]:
+    """The :class:`AttentionSteps` of ``trace``, or None when it has no scores and softmax (a
+    fused backend records one step)."""
+    steps = trace.steps
+    at = {s.name: i for i, s in reversed(list(enumerate(steps)))}  # the first of each name
+    if not {"scores QKᵀ", "scale", "softmax"} <= set(at):
         return None
-    i = next(i for i, s in enumerate(trace.steps) if s is softmax)
-    return scores, trace.steps[i - 1], softmax
+    i_raw = at["scores QKᵀ"]
+    before = steps[:i_raw]
+    q = next((s for s in reversed(before) if s.role == "Q" and len(s.shape) == 4), None)
+    k = next((s for s in reversed(before) if s.role == "K" and len(s.shape) == 4), None)
+    i_soft = at["softmax"]
+    return AttentionSteps(q, k, steps[i_raw], steps[at["scale"]], steps[i_soft - 1], steps[i_soft])
 
 
 def head_maps_from_trace(
@@ -117,7 +157,9 @@ def head_maps_from_trace(
     """One :class:`HeadMaps` per batch element, from a trace with values of the reference backend.
 
     weights: the ``softmax`` step; scores: the ``scale`` step (scaled, before any mask);
-    keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias).
+    keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias);
+    q, k: the operands of the scores, and the scale (their ratio to q kᵀ is 1/√D), for the
+    worked score.
     """
     found = attention_steps(trace)
     if found is None:
@@ -125,21 +167,24 @@ def head_maps_from_trace(
             "the trace has no attention steps (no scores and softmax); record it with the reference "
             "backend (backend='reference' or return_weights=True), or use multihead.explain, which re-runs a fused one"
         )
-    scores, before, softmax = found
-    weights = softmax.tensor
+    weights, scores, before = found.softmax.tensor, found.scaled.tensor, found.before_softmax.tensor
+    q = found.q.tensor if found.q is not None else None
+    k = found.k.tensor if found.k is not None else None
     # keep_values keeps every step's tensor or none: one None means all are
-    if weights is None or scores.tensor is None or before.tensor is None:
+    if weights is None or scores is None or before is None:
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
-    keep = before.tensor != float("-inf")
+    keep = before != float("-inf")
     cfg = trace.config
+    scale = default_scale(int(q.shape[-1])) if q is not None else None
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
         f"D={cfg.get('head_dim')}, causal={cfg.get('causal')}"
     )
     return [
         HeadMaps(
-            weights=weights[b], scores=scores.tensor[b], keep=keep[b],
+            weights=weights[b], scores=scores[b], keep=keep[b],
             q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
+            q=q[b] if q is not None else None, k=k[b] if k is not None else None, scale=scale,
         )
         for b in range(weights.shape[0])
     ]
@@ -227,6 +272,9 @@ def page_data(
                 "weights": _floats(m.weights),
                 "scores": _floats(m.scores) if m.scores is not None else None,
                 "keep": m.keep.to(torch.int64).tolist() if m.keep is not None else None,
+                "q": _floats(m.q) if m.q is not None else None,
+                "k": _floats(m.k) if m.k is not None else None,
+                "scale": m.scale,
             }
             for m in maps
         ],
@@ -295,34 +343,38 @@ def _asset(name: str) -> str:
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def render_html(
-    trace: Optional[Trace],
-    maps: Sequence[HeadMaps],
-    *,
-    lang: str = "en",
-    group: str = "batch",
-    start: int = 0,
-    head: int = 0,
-) -> str:
-    """One self-contained HTML page: the steps of ``trace`` (when given) and the heat maps of ``maps``.
+@dataclass(frozen=True)
+class Fragment:
+    """A section another view gives the page (the neuron view of :mod:`.neuron`, ...).
 
-    ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
-    (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
+    id: the section's element id (letters, digits and dashes); title: {lang: heading} for every
+    language; html: the section's body, HTML the producer has escaped; script: JavaScript run
+    after the page's own (or ""), reading its data from the body's elements.
     """
-    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
-    title = _text.UI[lang]["title"]
-    sections = []
-    if trace is not None:
-        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(trace.config)}</section>')
-        sections.append(
-            f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
-            f'<ol class="steps">{_steps_html(trace)}</ol></section>'
-        )
+
+    id: str
+    title: dict
+    html: str
+    script: str = ""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", self.id) or self.id in _PAGE_IDS:
+            raise ValueError(f"Fragment id must be lower-case letters, digits and dashes and not one of {_PAGE_IDS}, got {self.id!r}")
+        if set(self.title) != set(_text.LANGS):
+            raise ValueError(f"Fragment title must map each of {_text.LANGS} to a heading, got keys {sorted(self.title)}")
+        if "</script" in self.script.lower():
+            raise ValueError("Fragment script must not contain '</script'")
+
+
+_PAGE_IDS = ("config", "steps", "attention", "model-view", "checks", "reopened")
+
+
+def _attention_html(maps: Sequence[HeadMaps], group: str, start: int, head: int) -> str:
     selected = lambda i, chosen: " selected" if i == chosen else ""  # noqa: E731
     batch_options = "".join(f'<option value="{b}"{selected(b, start)}>{b}</option>' for b in range(len(maps)))
     head_options = "".join(f'<option value="{h}"{selected(h, head)}>{h}</option>' for h in range(maps[start].num_heads))
     heading = "attention" if group == "batch" else "attention_layer"
-    sections.append(
+    return (
         f'<section id="attention"><h2>{_both(heading)}</h2>'
         f'<p class="map-title" id="map-title">{escape(maps[start].title)}</p>'
         f'<div class="controls">'
@@ -335,12 +387,66 @@ def render_html(
         f'<figure class="panel" id="panel-mask"><figcaption>{_both("mask")}</figcaption><div class="heat" id="heat-mask"></div></figure>'
         f'<figure class="panel" id="panel-weights"><figcaption>{_both("weights")}</figcaption><div class="heat" id="heat-weights"></div></figure>'
         f"</div>"
+        f'<figure class="worked" id="worked" hidden><figcaption>{_both("worked")}</figcaption>'
+        f'<p class="hint">{_both("worked_hint")}</p><pre id="worked-text"></pre></figure>'
         f'<h3>{_both("all_heads")}</h3><div class="heads" id="all-heads"></div></section>'
     )
+
+
+def _model_view_html(maps: Sequence[HeadMaps]) -> str:
+    """Every layer x head as a thumbnail (drawn by the script from the weights), bertviz's model view."""
+    return (
+        f'<section id="model-view"><h2>{_both("model_view")}</h2><p class="intro">{_both("model_view_intro")}</p>'
+        f'<div class="mv" id="mv-grid"></div></section>'
+    )
+
+
+def render_html(
+    trace: Optional[Trace],
+    maps: Sequence[HeadMaps],
+    *,
+    lang: str = "en",
+    group: str = "batch",
+    start: int = 0,
+    head: int = 0,
+    fragments: Sequence[Fragment] = (),
+) -> str:
+    """One self-contained HTML page: the steps of ``trace`` (when given), the heat maps of
+    ``maps`` (when any), a layers x heads grid when ``maps`` are the layers of a model, and the
+    ``fragments`` other views give (in order, after the heat maps).
+
+    ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
+    (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
+    """
+    for f in fragments:
+        if not isinstance(f, Fragment):
+            raise TypeError(f"fragments must be visual.Fragment objects, got {type(f).__name__}")
+    if len({f.id for f in fragments}) != len(fragments):
+        raise ValueError(f"fragments must have distinct ids, got {[f.id for f in fragments]}")
+    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
+    title = _text.UI[lang]["title"]
+    sections = []
+    targets = []
+    if trace is not None:
+        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(trace.config)}</section>')
+        sections.append(
+            f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
+            f'<ol class="steps">{_steps_html(trace)}</ol></section>'
+        )
+        targets.append("steps")
+    if maps:
+        sections.append(_attention_html(maps, group, start, head))
+        targets.append("attention")
+        if group == "layer" and len(maps) > 1:
+            sections.append(_model_view_html(maps))
+            targets.append("model-view")
+    for f in fragments:
+        sections.append(f'<section id="{f.id}"><h2>{_both(f.title)}</h2>{f.html}</section>')
     if trace is not None:
         sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(trace)}</section>')
-    targets = ("steps", "attention", "checks") if trace is not None else ("attention",)
-    nav = "".join(f'<a href="#{t}">{_both("nav_" + t)}</a>' for t in targets)
+        targets.append("checks")
+    nav = "".join(f'<a href="#{t}">{_both("nav_" + t.replace("-", "_"))}</a>' for t in targets)
+    scripts = "".join(f"<script>{f.script}</script>" for f in fragments if f.script)
     return (
         f'<!DOCTYPE html>\n<html lang="{lang}" data-lang="{lang}"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -349,7 +455,7 @@ def render_html(
         f'{_both("lang_button")}</button></header><main>{"".join(sections)}</main>'
         f'<div id="tip" role="tooltip" hidden></div>'
         f'<script type="application/json" id="mh-data">{_script_json(data)}</script>'
-        f"<script>{_asset('walkthrough.js')}</script></body></html>\n"
+        f"<script>{_asset('walkthrough.js')}</script>{scripts}</body></html>\n"
     )
 
 
