@@ -97,7 +97,7 @@ class Explanation:
         module: the module explained, or None for a trace given alone.
     """
 
-    def __init__(self, trace: Trace, *, module: Optional[MultiHeadAttention] = None, inputs: tuple = (),
+    def __init__(self, trace: Trace, *, module: Optional[MultiHeadAttention] = None, inputs: tuple[Optional[torch.Tensor], ...] = (),
                  output: Optional[torch.Tensor] = None, fused_trace: Optional[Trace] = None,
                  agreement: Optional[Agreement] = None):
         self.trace = trace
@@ -165,7 +165,8 @@ class Explanation:
         _check_lang(lang)
         found = visual.attention_steps(self.trace)
         maps = visual.head_maps_from_trace(self.trace) if found is not None and self.trace.keep_values else []
-        return visual.render_html(self.trace, maps, lang=lang)
+        note = {lg: self.headline(lg) for lg in ("en", "zh")} if self.agreement is not None else None
+        return visual.render_html(self.trace, maps, lang=lang, source_note=note)
 
     def _repr_html_(self) -> str:
         from .notebook import iframe
@@ -226,7 +227,7 @@ def _check_inputs(module: MultiHeadAttention, inputs: Sequence[Any], cache: Any)
         )
 
 
-def _run(module: MultiHeadAttention, inputs: tuple, mask: Any, cache: Any, *, reference: bool) -> tuple[Trace, torch.Tensor]:
+def _run(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, cache: Any, *, reference: bool) -> tuple[Trace, torch.Tensor]:
     """``module(*inputs, mask=mask, cache=copy of cache)`` traced with values, under no_grad,
     torch's random state restored; ``reference``: run the reference backend (return_weights)."""
     devices = [inputs[0].device] if inputs[0].device.type == "cuda" else []
@@ -243,7 +244,7 @@ def _run(module: MultiHeadAttention, inputs: tuple, mask: Any, cache: Any, *, re
     return tr, out
 
 
-def _agreement(module: MultiHeadAttention, inputs: tuple, mask: Any, cache: Any, backend: str,
+def _agreement(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, cache: Any, backend: str,
                fused: torch.Tensor, reference: torch.Tensor) -> Agreement:
     module64 = copy.deepcopy(module).double()
     _, ref64 = _run(module64, tuple(_float64(t) for t in inputs), _float64(mask), _float64(cache), reference=True)

@@ -48,7 +48,7 @@ def trace_page(trace: Trace, *, lang: str = "en") -> str:
 
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a multihead.Trace, got {type(trace).__name__}")
-    maps: list = []
+    maps: list["visual.HeadMaps"] = []
     if trace.keep_values and _has_weights(trace):
         maps = visual.head_maps_from_trace(trace)
     return visual.render_html(trace, maps, lang=lang)

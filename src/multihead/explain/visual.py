@@ -410,10 +410,14 @@ def render_html(
     start: int = 0,
     head: int = 0,
     fragments: Sequence[Fragment] = (),
+    source_note: Optional[dict] = None,
 ) -> str:
     """One self-contained HTML page: the steps of ``trace`` (when given), the heat maps of
     ``maps`` (when any), a layers x heads grid when ``maps`` are the layers of a model, and the
     ``fragments`` other views give (in order, after the heat maps).
+
+    ``source_note``: {lang: text} for every language, shown first, saying where the steps come
+    from (a fused call re-run on the reference backend), or None.
 
     ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
     (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
@@ -427,6 +431,10 @@ def render_html(
     title = _text.UI[lang]["title"]
     sections = []
     targets = []
+    if source_note is not None:
+        if set(source_note) != set(_text.LANGS):
+            raise ValueError(f"source_note must map each of {_text.LANGS} to a text, got keys {sorted(source_note)}")
+        sections.append(f'<section id="reopened"><h2>{_both("reopened")}</h2><p>{_both(source_note)}</p></section>')
     if trace is not None:
         sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(trace.config)}</section>')
         sections.append(
