@@ -229,11 +229,11 @@ def test_chinese_walkthrough(fmt):
 def test_chinese_covers_gqa_dropout_and_other_masks():
     rc, out, _ = run_cli("--lang", "zh", "--heads", "4", "--kv-heads", "1", "--dropout", "0.2", "--no-values")
     assert rc == 0 and "复制键/值头" in out and "随机失活" in out
-    from multihead.explain.i18n import step_title
+    from multihead import steps
 
-    assert step_title("causal & padding mask", "", "zh") == "因果 & 填充掩码"
-    with pytest.raises(KeyError):
-        step_title("a step nobody translated", "", "zh")
+    assert steps.MASK.title({"kinds": ("causal", "padding")}, "zh") == "因果 & 填充掩码"
+    with pytest.raises(KeyError, match="MASK_KINDS"):
+        steps.MASK.title({"kinds": ("a kind nobody translated",)}, "zh")
 
 
 def test_colour_only_on_a_terminal(monkeypatch):

@@ -18,7 +18,8 @@ from multihead.cli import build_parser, main
 from multihead.explain import visual
 from multihead.explain.visual import HeadMaps, head_maps_from_trace, render_html, step_kind
 from multihead.explain.example import ExampleConfig, trace_example
-from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_meaning, step_title, trace_sizes
+from multihead import steps
+from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_title, trace_sizes
 from multihead.explain.visual_svg import axis_sizes, parse_pattern, step_svg
 
 CONFIGS = {
@@ -90,7 +91,7 @@ def test_html_has_every_step_with_its_shape_and_kind(pages, name):
         assert f'<span class="mark">{"✓" if ok else "✗"}</span> <span data-l="en" lang="en">{html.escape(check)}</span>' in page
     for step in trace.steps:  # every check also in Chinese, after its English text
         for name, ok in step.checks.items():
-            zh = f"{step_title(step.name, step.role, 'zh')}: {check_name(name, 'zh')}"
+            zh = f"{step_title(step, 'zh')}: {check_name(name, 'zh')}"
             assert f'{html.escape(step.label)}: {html.escape(name)}</span><span data-l="zh" lang="zh">{html.escape(zh)}</span></li>' in page
 
 
@@ -148,9 +149,9 @@ def test_every_step_has_a_meaning_in_both_languages(pages):
             for lang in LANGS:
                 meaning = describe_step(step, lang, sizes)
                 assert meaning and shown["meaning"][lang] == meaning, (step.label, lang)
-                assert shown["title"][lang] == step_title(step.name, step.role, lang)
+                assert shown["title"][lang] == step_title(step, lang)
                 assert html.escape(meaning) in page
-    assert step_meaning("padding & causal mask", "zh", kinds="")  # any combination of mask kinds
+    assert steps.MASK.meaning({"kinds": ("padding", "causal")}, "zh")  # any combination of mask kinds
 
 
 def test_page_and_text_walkthrough_tell_the_same_pass_in_the_same_words(pages):
@@ -172,13 +173,13 @@ def test_notes_are_localised_and_the_code_ones_kept(pages):
     page, trace = pages["no-causal-dropout"]
     scale, dropout = trace.step("scale"), trace.step("dropout")
     for step in (scale, dropout):
-        zh = note_text(step.note, "zh")
+        zh = note_text(step, "zh")
         assert zh and zh != step.note
         assert f'<p class="note"><span data-l="en" lang="en">{html.escape(step.note)}</span><span data-l="zh" lang="zh">{html.escape(zh)}</span></p>' in page
-    assert "D = 4 时即 1/√D" in note_text(scale.note, "zh")
+    assert "D = 4 时即 1/√D" in note_text(scale, "zh")
     gqa_page, gqa = pages["gqa-cross"]
     mask = gqa.step("causal mask")  # a mask's repr is code: the same in both languages
-    assert note_text(mask.note, "zh") == ""
+    assert note_text(mask, "zh") == mask.note == mask.params["code"]
     assert f'<span data-l="zh" lang="zh">{html.escape(mask.note)}</span></p>' in gqa_page
 
 

@@ -35,10 +35,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import UsageError, check_out, write_output
-from .._numerics import default_scale
 from ..trace import Step, Trace
 from . import visual_text as _text
 from .example import config_from_args, trace_example
+from .. import steps
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
 from .visual_svg import axis_sizes, step_kind, step_svg
 
@@ -133,19 +133,25 @@ class AttentionSteps:
     softmax: Step
 
 
-def attention_steps(trace: Trace) -> Optional[AttentionSteps]:
-    """The :class:`AttentionSteps` of ``trace``, or None when it has no scores and softmax (a
-    fused backend records one step)."""
-    steps = trace.steps
-    at = {s.name: i for i, s in reversed(list(enumerate(steps)))}  # the first of each name
-    if not {"scores QKᵀ", "scale", "softmax"} <= set(at):
+def attention_steps(trace: Trace, *, call: Optional[int] = None) -> Optional[AttentionSteps]:
+    """The :class:`AttentionSteps` of ``trace`` (of its first module call, or of ``call``), or
+    None when it has no scores and softmax (a fused backend records one step)."""
+    where = trace.select(call=call) if call is not None else trace.steps
+    if call is None and where and where[0].call is not None:
+        where = trace.select(call=where[0].call)
+
+    def first(kind: steps.StepKind, role: Optional[str] = None) -> Optional[Step]:
+        return next((s for s in where if s.kind is kind and (role is None or s.role == role)), None)
+
+    raw, scaled, softmax = first(steps.SCORES), first(steps.SCALE), first(steps.SOFTMAX)
+    if raw is None or scaled is None or softmax is None:
         return None
-    i_raw = at["scores QKᵀ"]
-    before = steps[:i_raw]
-    q = next((s for s in reversed(before) if s.role == "Q" and len(s.shape) == 4), None)
-    k = next((s for s in reversed(before) if s.role == "K" and len(s.shape) == 4), None)
-    i_soft = at["softmax"]
-    return AttentionSteps(q, k, steps[i_raw], steps[at["scale"]], steps[i_soft - 1], steps[i_soft])
+    i_raw, i_soft = where.index(raw), where.index(softmax)
+    # the operands of the scores: the last Q and K tensors with heads before them
+    # (after rotary embeddings, the cache and the kv-head repeat)
+    q = next((s for s in reversed(where[:i_raw]) if s.role == "Q" and len(s.shape) == 4), None)
+    k = next((s for s in reversed(where[:i_raw]) if s.role == "K" and len(s.shape) == 4), None)
+    return AttentionSteps(q, k, raw, scaled, where[i_soft - 1], softmax)
 
 
 def head_maps_from_trace(
@@ -175,7 +181,7 @@ def head_maps_from_trace(
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
     keep = before != float("-inf")
     cfg = trace.config
-    scale = default_scale(int(q.shape[-1])) if q is not None else None
+    scale = float(found.scaled.params["scale"]) if q is not None else None
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
         f"D={cfg.get('head_dim')}, causal={cfg.get('causal')}"
@@ -217,12 +223,11 @@ _GROUPS = ("batch", "layer")
 
 def _step_texts(trace: Trace) -> list[dict]:
     """Per step, its title, meaning and note in every language: {"title": {lang: text}, ...}."""
-    sizes = trace_sizes(trace)
     return [
         {
-            "title": {lang: step_title(s.name, s.role, lang) for lang in _text.LANGS},
-            "meaning": {lang: describe_step(s, lang, sizes) for lang in _text.LANGS},
-            "note": {lang: note_text(s.note, lang) or s.note for lang in _text.LANGS},
+            "title": {lang: step_title(s, lang) for lang in _text.LANGS},
+            "meaning": {lang: describe_step(s, lang, trace_sizes(trace, s)) for lang in _text.LANGS},
+            "note": {lang: note_text(s, lang) for lang in _text.LANGS},
         }
         for s in trace.steps
     ]
@@ -262,7 +267,7 @@ def page_data(
         "start": start,
         "head": head,
         "config": dict(trace.config) if trace is not None else {},
-        "steps": [{**s.to_dict(), "kind": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
+        "steps": [{**s.to_dict(), "effect": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
         "maps": [
             {
                 "title": m.title,
@@ -324,7 +329,7 @@ def _checks_html(trace: Trace) -> str:
     held = sum(ok for _, _, ok in checks)
     rows = "".join(
         f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> '
-        + _both({lang: f"{step_title(s.name, s.role, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
+        + _both({lang: f"{step_title(s, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
         + "</li>"
         for s, name, ok in checks
     )

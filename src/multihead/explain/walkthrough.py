@@ -30,6 +30,7 @@ from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
 from .example import ExampleConfig, build_example, config_from_args, run_example, trace_example
+from .. import steps as S
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 
 __all__ = [
@@ -76,10 +77,11 @@ class Walkthrough:
     @property
     def checks(self) -> list[Check]:
         """The forward pass's own checks, then explain's, then the per-head comparison."""
-        own = [Check(s.label, name, ok) for s in self.trace.steps for name, ok in s.checks.items()]
+        own = [Check(s.label, name, ok, s) for s in self.trace.steps for name, ok in s.checks.items()]
         found = own + list(self.extra_checks)
         if self.per_head is not None:
-            found.append(Check("output projection", "per-head reference equals the fused module", self.per_head.ok))
+            out = self.trace.select(S.OUTPUT_PROJECTION)[-1]
+            found.append(Check(out.label, "per-head reference equals the fused module", self.per_head.ok, out))
         return found
 
     @property
@@ -183,23 +185,23 @@ def step_blocks(step: Step, w: Walkthrough, lang: str) -> list[Block]:
     t = step.tensor
     if t is None:
         return []
-    name = step.name
-    if name in ("input", "project Q", "project K", "project V", "output projection"):
+    kind = step.kind
+    if kind in (S.INPUT, S.PROJECT, S.OUTPUT_PROJECTION):
         return [Block(word("batch0", lang), t[0], "t")]
-    if name == "split heads":
+    if kind is S.SPLIT_HEADS:
         return [Block(word("token0", lang), t[0, 0], word("head", lang) + " ")]
-    if name == "move heads forward":
+    if kind in (S.MOVE_HEADS_FORWARD, S.ROPE, S.CACHE_APPEND, S.REPEAT_KV):
         return [Block(word("rows_tokens", lang), t[0, 0], "t")]
-    if name in ("scores QKᵀ", "scale", "add bias"):
+    if kind in (S.SCORES, S.SCALE, S.ADD_BIAS, S.SCORE_MOD):
         return [Block(word("rows_queries", lang), t[0, 0], "q")]
-    if "keep" in step.extras:
+    if kind is S.MASK:
         keep = step.extras["keep"].expand(t.shape)[0, 0].to(torch.int64)
         return [Block(word("mask01", lang), keep, "q", integer=True), Block(word("masked_scores", lang), t[0, 0], "q")]
-    if name in ("softmax", "dropout"):
+    if kind in (S.SOFTMAX, S.DROPOUT):
         return [Block(word("rows_weights", lang), t[0, 0], "q", row_sums=True)]
-    if name == "weights × V":
+    if kind in (S.WEIGHTED_SUM, S.FUSED_ATTENTION):
         return [Block(word("rows_out", lang), t[0, 0], "q")]
-    if name == "merge heads":
+    if kind is S.MERGE_HEADS:
         D = w.module.config.head_dim
         heads = w.module.config.num_heads
         shown = [i for i in _pick_indices(heads, 4)]
@@ -247,11 +249,18 @@ class _Style:
 
 
 def _meaning(step: Step, w: Walkthrough, lang: str) -> str:
-    text = describe_step(step, lang, w.sizes())
-    note = note_text(step.note, lang)
-    first = "project K" if step.note.startswith("K and V") else "project Q"
-    if note and step.label == first:  # said once, at the first step it concerns
-        text = f"{text} {note}" if lang == "en" else text + note
+    text = describe_step(step, lang, trace_sizes(w.trace, step))
+    if step.kind is S.PROJECT:  # a fused product is said once, at the first step it concerns
+        first = "K" if step.params.get("fused") == "kv" else "Q"
+        note = note_text(step, lang) if step.role == first else ""
+    elif step.kind is S.MASK:
+        note = ""  # the mask's code: shown as code, not prose
+    else:
+        note = note_text(step, lang)
+    if note:
+        sep = " " if lang == "en" else ""
+        end = "." if lang == "en" else "。"
+        text = f"{text}{sep}{note[0].upper() + note[1:] if lang == 'en' else note}{end}" if text else note
     return text
 
 
@@ -289,12 +298,12 @@ def render_text(w: Walkthrough, *, lang: str = "en", values: bool = True, color:
         out.extend(_wrap(text, " " * key_w, first=_pad(key + ":", key_w)))
     steps = w.trace.steps
     num_w = len(str(len(steps)))
-    title_w = min(34, max(_width(step_title(s.name, s.role, lang)) for s in steps) + 2)
+    title_w = min(34, max(_width(step_title(s, lang)) for s in steps) + 2)
     for i, s in enumerate(steps, 1):
         out.append("")
-        head = f"{str(i).rjust(num_w)}. " + _pad(step_title(s.name, s.role, lang), title_w)
+        head = f"{str(i).rjust(num_w)}. " + _pad(step_title(s, lang), title_w)
         shape = _shape_text(s)
-        kind = "" if s.name == "input" else word("view", lang) if s.view else word("copy", lang)
+        kind = "" if s.kind is S.INPUT else word("view", lang) if s.view else word("copy", lang)
         line = st.bold(head) + _pad(shape, 24) + " " + kind
         if _width(head + _pad(shape, 24) + " " + kind) > WIDTH:
             out.append(st.bold(head.rstrip()))
@@ -339,7 +348,7 @@ def _cost_lines(w: Walkthrough, costs: list, lang: str) -> list[str]:
     lines = _wrap(word("cost_note", lang, dtype=w.output.dtype).replace("torch.", ""), "  ")
     rows: list[tuple] = [(word("cost_step", lang), word("flops", lang), word("bytes", lang))]
     for s, c in zip(w.trace.steps, costs):
-        rows.append((step_title(s.name, s.role, lang), f"{c.flops:,}", f"{c.bytes:,}"))
+        rows.append((step_title(s, lang), f"{c.flops:,}", f"{c.bytes:,}"))
     rows.append((word("total", lang), f"{sum(c.flops for c in costs):,}", f"{sum(c.bytes for c in costs):,}"))
     lines += _table(rows, {1, 2})
     c, mc = w.config, w.module.config
@@ -356,8 +365,7 @@ def _cost_lines(w: Walkthrough, costs: list, lang: str) -> list[str]:
 
 
 def _check_text(c: Check, w: Walkthrough, lang: str) -> str:
-    step = next((s for s in w.trace.steps if s.label == c.step), None)
-    title = step_title(step.name, step.role, lang) if step is not None else c.step
+    title = step_title(c.source, lang) if c.source is not None else c.step
     return f"{title}: {check_name(c.name, lang)}"
 
 
@@ -387,17 +395,17 @@ def render_markdown(w: Walkthrough, *, lang: str = "en", values: bool = True) ->
     for i, s in enumerate(steps, 1):
         pattern = f"`{s.pattern}`" if s.pattern else ""
         view = word("yes", lang) if s.view else word("no", lang)
-        out.append(f"| {i} | {step_title(s.name, s.role, lang)} | {_shape_text(s)} | {pattern} | {view} |")
+        out.append(f"| {i} | {step_title(s, lang)} | {_shape_text(s)} | {pattern} | {view} |")
     out += ["", f"## {word('meaning', lang)}", ""]
     for i, s in enumerate(steps, 1):
-        out.extend(_wrap(_meaning(s, w, lang), "   ", first=f"{i}. **{step_title(s.name, s.role, lang)}**: "))
+        out.extend(_wrap(_meaning(s, w, lang), "   ", first=f"{i}. **{step_title(s, lang)}**: "))
     if values:
         out += ["", f"## {word('values', lang)} ({word('values_line', lang)})"]
         for i, s in enumerate(steps, 1):
             blocks = step_blocks(s, w, lang)
             if not blocks:
                 continue
-            out += ["", f"{i}. **{step_title(s.name, s.role, lang)}**", "", "```text"]
+            out += ["", f"{i}. **{step_title(s, lang)}**", "", "```text"]
             for b in blocks:
                 out.extend(_block_lines(b, "", lang))
             out.append("```")
@@ -430,7 +438,7 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
     every check, the per-head comparison and the cost when they were computed. Valid JSON."""
     data = w.trace.to_dict()
     for s, d in zip(w.trace.steps, data["steps"]):
-        d["title"] = step_title(s.name, s.role, lang)
+        d["title"] = step_title(s, lang)
         d["meaning"] = _meaning(s, w, lang)
         if values:
             d["values"] = [{"caption": b.caption, "row_label": b.row_label, "matrix": _jsonable(b.matrix)}
