@@ -36,10 +36,19 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import steps
 from ..module import MultiHeadAttention
 from ..trace import Trace, trace
-from .checks import Check, _floor, _max_abs_diff
+from .checks import Check, _floor, _max_abs_diff, walkthrough_checks
 from .example import LIMITS
+from .i18n import LANGS, word
+from .walkthrough import Walkthrough, _wrap, render_json, render_markdown, render_text
+
+#: the check the re-run adds (a key of :data:`multihead.steps.CHECKS`)
+AGREEMENT_CHECK = "the fused backend's output equals the reference backend's within tolerance"
+#: the check of :func:`.checks.walkthrough_checks` that holds the output to the tutorial's plain
+#: code, which has no rotary embeddings, masks, cache or separate values
+_PLAIN_CODE_CHECK = "output equals the tutorial's plain code in float64"
 
 __all__ = ["Agreement", "Explanation", "explain"]
 
@@ -60,52 +69,35 @@ class Agreement:
     ok: bool
 
 
-_WORDS = {
-    "reopened": (
-        "The {backend} backend ran this call as one fused step (no scores or weights to show). "
-        "The steps below are the same inputs run again on the reference backend; "
-        "max |{backend} - reference| = {diff:.3g}, and the {backend} output is within {tol:.3g} of "
-        "float64 ({err:.3g}).",
-        "{backend} 后端把这次调用作为一个融合步骤运行（没有可展示的分数和权重）。下面的步骤是同样的输入在 "
-        "reference 后端上重新运行的结果；max |{backend} − reference| = {diff:.3g}，{backend} 的输出与 "
-        "float64 相差 {err:.3g}，不超过容差 {tol:.3g}。",
-    ),
-    "agree": ("the {backend} output equals the reference backend's within tolerance",
-              "{backend} 的输出与 reference 后端的输出在容差内一致"),
-    "fused_only": (
-        "This trace holds one fused step ({backend}): pass the module and its inputs to multihead.explain "
-        "to see every step (it re-runs them on the reference backend).",
-        "该追踪只有一个融合步骤（{backend}）：把模块和输入传给 multihead.explain，即可看到每一步"
-        "（它会在 reference 后端上重新运行）。",
-    ),
-}
-
-
-def _word(key: str, lang: str, **fmt: Any) -> str:
-    return _WORDS[key][("en", "zh").index(lang)].format(**fmt)
-
-
 class Explanation:
-    """What :func:`explain` found: the trace shown, the checks, and the renderings.
+    """What :func:`explain` found: the walkthrough shown, its checks, and its renderings.
 
     Attributes:
+        walkthrough: the :class:`.walkthrough.Walkthrough` every format renders (its ``checks``
+            is the one list the text, Markdown, JSON and HTML all show).
         trace: the :class:`multihead.Trace` whose steps are shown (the reference re-run when
             the module's backend fused the call).
         fused_trace: the trace of the user's own call when it was fused, else None.
         agreement: :class:`Agreement` of the fused and reference outputs, or None.
         output: the output of the user's call (B, Lq, d_out), or None for a trace given alone.
-        module: the module explained, or None for a trace given alone.
     """
 
-    def __init__(self, trace: Trace, *, module: Optional[MultiHeadAttention] = None, inputs: tuple[Optional[torch.Tensor], ...] = (),
-                 output: Optional[torch.Tensor] = None, fused_trace: Optional[Trace] = None,
+    def __init__(self, walkthrough: Walkthrough, *, fused_trace: Optional[Trace] = None,
                  agreement: Optional[Agreement] = None):
-        self.trace = trace
-        self.module = module
-        self.inputs = inputs
-        self.output = output
+        self.walkthrough = walkthrough
         self.fused_trace = fused_trace
         self.agreement = agreement
+        if agreement is not None:
+            out = walkthrough.trace.select(steps.OUTPUT_PROJECTION)[-1]
+            walkthrough.extra_checks.append(Check(out.label, AGREEMENT_CHECK, agreement.ok, out))
+
+    @property
+    def trace(self) -> Trace:
+        return self.walkthrough.trace
+
+    @property
+    def output(self) -> Optional[torch.Tensor]:
+        return self.walkthrough.output
 
     @property
     def reopened(self) -> bool:
@@ -114,44 +106,45 @@ class Explanation:
 
     @property
     def checks(self) -> list[Check]:
-        """Every check, from one list: the trace's own (each step's), then the recomputations of
-        :mod:`multihead.explain.checks`, then the fused/reference agreement."""
-        found = [Check(s.label, name, ok) for s in self.trace.steps for name, ok in s.checks.items()]
-        if self.agreement is not None:
-            found.append(Check("output projection", _word("agree", "en", backend=self.agreement.backend), self.agreement.ok))
-        return found
+        """Every check, from one list (:attr:`.walkthrough.Walkthrough.checks`): each step's own,
+        the recomputations of :mod:`multihead.explain.checks`, the fused/reference agreement."""
+        return self.walkthrough.checks
 
     @property
     def all_checks_hold(self) -> bool:
         return all(c.ok for c in self.checks)
 
     def headline(self, lang: str = "en") -> str:
-        """The sentence that says where the steps come from ("" for a plain reference run)."""
+        """The sentence that says where the steps come from ("" for a call that was not fused)."""
         _check_lang(lang)
         a = self.agreement
-        if a is not None:
-            return _word("reopened", lang, backend=a.backend, diff=a.max_diff, err=a.error, tol=a.tolerance)
-        return ""
+        if a is None:
+            return ""
+        return word("reopened", lang, backend=a.backend, diff=f"{a.max_diff:.3g}", err=f"{a.error:.3g}", tol=f"{a.tolerance:.3g}")
 
     # -- renderings
-    def text(self, lang: str = "en", *, values: bool = True) -> str:
-        """The walkthrough as plain text (at most 100 columns a line)."""
-        _check_lang(lang)
-        lines = [str(self.trace)]
+    def _with_headline(self, text: str, lang: str, *, markdown: bool = False) -> str:
         head = self.headline(lang)
-        return (head + "\n\n" if head else "") + "\n".join(lines) + "\n"
+        if not head:
+            return text
+        first, _, rest = text.partition("\n")
+        body = [head] if markdown else _wrap(head, "")
+        return "\n".join([first, ""] + body + ([""] if not rest.startswith("\n") else []) + [rest])
+
+    def text(self, lang: str = "en", *, values: bool = True) -> str:
+        """The walkthrough as plain text, lines of at most :data:`.walkthrough.WIDTH` columns."""
+        _check_lang(lang)
+        return self._with_headline(render_text(self.walkthrough, lang=lang, values=values), lang)
 
     def markdown(self, lang: str = "en", *, values: bool = True) -> str:
         """The walkthrough as Markdown."""
         _check_lang(lang)
-        head = self.headline(lang)
-        return (head + "\n\n" if head else "") + "```text\n" + str(self.trace) + "\n```\n"
+        return self._with_headline(render_markdown(self.walkthrough, lang=lang, values=values), lang, markdown=True)
 
     def json(self, lang: str = "en", *, values: bool = True) -> str:
-        """The walkthrough as JSON (valid JSON, no NaN)."""
+        """The walkthrough as JSON (valid JSON: no NaN; infinities as strings)."""
         _check_lang(lang)
-        data = self.trace.to_dict()
-        data["checks"] = [{"step": c.step, "name": c.name, "ok": c.ok} for c in self.checks]
+        data = json.loads(render_json(self.walkthrough, lang=lang, values=values))
         if self.agreement is not None:
             a = self.agreement
             data["reopened"] = {"backend": a.backend, "max_abs_diff": a.max_diff, "error": a.error,
@@ -165,8 +158,8 @@ class Explanation:
         _check_lang(lang)
         found = visual.attention_steps(self.trace)
         maps = visual.head_maps_from_trace(self.trace) if found is not None and self.trace.keep_values else []
-        note = {lg: self.headline(lg) for lg in ("en", "zh")} if self.agreement is not None else None
-        return visual.render_html(self.trace, maps, lang=lang, source_note=note)
+        note = {lg: self.headline(lg) for lg in LANGS} if self.agreement is not None else None
+        return visual.render_html(self.walkthrough, maps, lang=lang, source_note=note)
 
     def _repr_html_(self) -> str:
         from .notebook import iframe
@@ -174,13 +167,14 @@ class Explanation:
         return iframe(self.html())
 
     def __repr__(self) -> str:
-        held = sum(c.ok for c in self.checks)
+        checks = self.checks
+        held = sum(c.ok for c in checks)
         how = f", re-run on the reference backend from {self.agreement.backend}" if self.agreement else ""
-        return f"<multihead.Explanation: {len(self.trace.steps)} steps{how}, checks {held}/{len(self.checks)} hold>"
+        return f"<multihead.Explanation: {len(self.trace.steps)} steps{how}, checks {held}/{len(checks)} hold>"
 
 
 def _check_lang(lang: str) -> None:
-    if lang not in ("en", "zh"):
+    if lang not in LANGS:
         raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
 
 
@@ -274,7 +268,7 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
                             "pass the module instead to run it on inputs")
         if not source.steps:
             raise ValueError("the trace recorded no steps: run the module inside `with multihead.trace() as tr:`")
-        return Explanation(source)
+        return Explanation(Walkthrough(None, None, (), source, None))
     if not isinstance(source, MultiHeadAttention):
         raise TypeError(
             f"explain takes a multihead.MultiHeadAttention (and its inputs) or a multihead.Trace, got {type(source).__name__}"
@@ -284,7 +278,7 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
     from .visual import attention_steps
 
     if attention_steps(tr) is not None:
-        return Explanation(tr, module=source, inputs=inputs, output=out)
+        return Explanation(_walkthrough(source, inputs, mask, cache, tr, out))
     backend = str(tr.config.get("backend", source.config.backend))
     if source.training and source.config.dropout:
         raise ValueError(
@@ -293,4 +287,16 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
         )
     ref, ref_out = _run(source, inputs, mask, cache, reference=True)
     agreement = _agreement(source, inputs, mask, cache, backend, out, ref_out)
-    return Explanation(ref, module=source, inputs=inputs, output=out, fused_trace=tr, agreement=agreement)
+    return Explanation(_walkthrough(source, inputs, mask, cache, ref, out), fused_trace=tr, agreement=agreement)
+
+
+def _walkthrough(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, cache: Any, tr: Trace,
+                 out: torch.Tensor) -> Walkthrough:
+    """The walkthrough of a reference-backend trace of ``module``: its steps recomputed one by
+    one; the whole output against the tutorial's plain code only where that code is the
+    module's definition (no rotary embeddings, mask, cache or separate values)."""
+    found = walkthrough_checks(tr, module, tuple(t for t in inputs if t is not None))
+    plain = module.rope is None and mask is None and cache is None and (len(inputs) < 3 or inputs[2] is inputs[1])
+    if not plain:
+        found = [c for c in found if c.name != _PLAIN_CODE_CHECK]
+    return Walkthrough(None, module, inputs, tr, out, found)

@@ -82,6 +82,14 @@ _WORDS = {
         "mha.to_per_head(): {H} separate heads, each its own W_q, W_k, W_v, concatenated, then W_O",
         "mha.to_per_head()：{H} 个独立的头，各有自己的 W_q、W_k、W_v，拼接后乘 W_O",
     ),
+    "reopened": (
+        "The {backend} backend ran this call as one fused step, with no scores or weights to show: the steps "
+        "below are the same inputs run again on the reference backend. max |{backend} - reference| = {diff}; "
+        "the {backend} output is {err} from a float64 run, within the tolerance {tol}.",
+        "{backend} 后端把这次调用作为一个融合步骤运行，没有可展示的分数和权重：下面的步骤是同样的输入在 reference "
+        "后端上重新运行的结果。max |{backend} − reference| = {diff}；{backend} 的输出与 float64 的结果相差 {err}，"
+        "在容差 {tol} 之内。",
+    ),
     "per_head_eval": ("(both run in eval mode, without dropout)", "（两者都在 eval 模式下运行，无 dropout）"),
     "max_diff": ("max |fused - per-head| = {diff:.3g}  (tolerance {tol:.3g})",
                  "max |融合 - 逐头| = {diff:.3g}（容差 {tol:.3g}）"),

@@ -37,7 +37,9 @@ import torch
 from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
-from .example import config_from_args, trace_example
+from .example import config_from_args
+from .walkthrough import _MAX_COLS, _MAX_ROWS, Walkthrough, _check_text, _num, _pick_indices, step_blocks
+from .walkthrough import explain as explain_example
 from .. import steps
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
 from .visual_svg import axis_sizes, step_kind, step_svg
@@ -303,7 +305,34 @@ def _shape(step: Step) -> str:
     return "(" + ", ".join(f"{a}={n}" for a, n in zip(step.axes, step.shape)) + ")" if step.axes else str(tuple(step.shape))
 
 
-def _steps_html(trace: Trace) -> str:
+def _block_html(blocks: dict) -> str:
+    """One captioned matrix of a step, {lang: :class:`.walkthrough.Block`}, as a table: the
+    rows and columns the text walkthrough prints, each number written as the text writes it."""
+    b = blocks["en"]
+    m = b.matrix.unsqueeze(0) if b.matrix.dim() == 1 else b.matrix
+    rows, cols = _pick_indices(m.shape[0], _MAX_ROWS), _pick_indices(m.shape[1], _MAX_COLS)
+    out = [f'<table class="values"><caption>{_both({lang: blk.caption for lang, blk in blocks.items()})}</caption>']
+    for r in rows:
+        if r is None:
+            out.append(f'<tr class="gap"><th></th><td colspan="{len(cols)}">⋮</td></tr>')
+            continue
+        label = _both({lang: f"{blk.row_label}{r}" for lang, blk in blocks.items()})
+        cells = "".join("<td>…</td>" if c is None else f"<td>{_num(float(m[r, c]), b.integer)}</td>" for c in cols)
+        total = f'<td class="sum">{_num(float(m[r].sum()))}</td>' if b.row_sums else ""
+        out.append(f"<tr><th>{label}</th>{cells}{total}</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _values_html(step: Step, w: Walkthrough) -> str:
+    """The numbers of ``step`` the text walkthrough prints (:func:`.walkthrough.step_blocks`)."""
+    per_lang = {lang: step_blocks(step, w, lang) for lang in _text.LANGS}
+    tables = [_block_html({lang: per_lang[lang][i] for lang in _text.LANGS}) for i in range(len(per_lang["en"]))]
+    return f'<div class="values">{"".join(tables)}</div>' if tables else ""
+
+
+def _steps_html(w: Walkthrough) -> str:
+    trace = w.trace
     items = []
     for i, (s, texts) in enumerate(zip(trace.steps, _step_texts(trace))):
         kind = step_kind(s)
@@ -316,24 +345,34 @@ def _steps_html(trace: Trace) -> str:
             f'<h3><span class="num">{i + 1}</span> <span class="name">{_both(texts["title"])}</span> '
             f'<span class="badge {kind}">{_both(kind)}</span></h3>'
             f'<p class="shape"><code>{escape(_shape(s))}</code></p>{pattern}{meaning_html}'
-            f'{step_svg(s, axis_sizes(trace, s))}{note}</li>'
+            f'{step_svg(s, axis_sizes(trace, s))}{_values_html(s, w)}{note}</li>'
         )
     return "".join(items)
 
 
-def _checks_html(trace: Trace) -> str:
-    """Every check of every step, "step: check" in both languages (:func:`i18n.check_name`)."""
-    checks = [(s, name, ok) for s in trace.steps for name, ok in s.checks.items()]
+def _checks_html(w: Walkthrough) -> str:
+    """Every check of the walkthrough (:attr:`.walkthrough.Walkthrough.checks`, the list the
+    text prints), "step: check" in both languages."""
+    checks = w.checks
     if not checks:
         return f"<p>{_both('checks_none')}</p>"
-    held = sum(ok for _, _, ok in checks)
+    held = sum(c.ok for c in checks)
     rows = "".join(
-        f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> '
-        + _both({lang: f"{step_title(s, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
+        f'<li class="{"ok" if c.ok else "fail"}"><span class="mark">{"✓" if c.ok else "✗"}</span> '
+        + _both({lang: _check_text(c, w, lang) for lang in _text.LANGS})
         + "</li>"
-        for s, name, ok in checks
+        for c in checks
     )
-    return f'<p class="summary">{held}/{len(checks)}</p><ul class="checks">{rows}</ul>'
+    return f'<p class="summary" id="checks-summary">{held}/{len(checks)}</p><ul class="checks">{rows}</ul>'
+
+
+def as_walkthrough(source: Union[Trace, Walkthrough]) -> Walkthrough:
+    """``source`` itself, or the walkthrough of a bare trace (its own checks, no recomputations)."""
+    if isinstance(source, Walkthrough):
+        return source
+    if isinstance(source, Trace):
+        return Walkthrough(None, None, (), source, None)
+    raise TypeError(f"expected a multihead.Trace or a Walkthrough, got {type(source).__name__}")
 
 
 def _config_html(config: dict) -> str:
@@ -407,7 +446,7 @@ def _model_view_html(maps: Sequence[HeadMaps]) -> str:
 
 
 def render_html(
-    trace: Optional[Trace],
+    source: Union[Trace, Walkthrough, None],
     maps: Sequence[HeadMaps],
     *,
     lang: str = "en",
@@ -417,8 +456,8 @@ def render_html(
     fragments: Sequence[Fragment] = (),
     source_note: Optional[dict] = None,
 ) -> str:
-    """One self-contained HTML page: the steps of ``trace`` (when given), the heat maps of
-    ``maps`` (when any), a layers x heads grid when ``maps`` are the layers of a model, and the
+    """One self-contained HTML page: the steps of ``source`` (a trace, or the walkthrough the text
+    formats print, with its numbers and every check of its list), the heat maps of ``maps`` (when any), a layers x heads grid when ``maps`` are the layers of a model, and the
     ``fragments`` other views give (in order, after the heat maps).
 
     ``source_note``: {lang: text} for every language, shown first, saying where the steps come
@@ -432,6 +471,8 @@ def render_html(
             raise TypeError(f"fragments must be visual.Fragment objects, got {type(f).__name__}")
     if len({f.id for f in fragments}) != len(fragments):
         raise ValueError(f"fragments must have distinct ids, got {[f.id for f in fragments]}")
+    w = as_walkthrough(source) if source is not None else None
+    trace = w.trace if w is not None else None
     data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
     title = _text.UI[lang]["title"]
     sections = []
@@ -440,11 +481,11 @@ def render_html(
         if set(source_note) != set(_text.LANGS):
             raise ValueError(f"source_note must map each of {_text.LANGS} to a text, got keys {sorted(source_note)}")
         sections.append(f'<section id="reopened"><h2>{_both("reopened")}</h2><p>{_both(source_note)}</p></section>')
-    if trace is not None:
-        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(trace.config)}</section>')
+    if w is not None:
+        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(w.trace.config)}</section>')
         sections.append(
             f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
-            f'<ol class="steps">{_steps_html(trace)}</ol></section>'
+            f'<ol class="steps">{_steps_html(w)}</ol></section>'
         )
         targets.append("steps")
     if maps:
@@ -455,8 +496,8 @@ def render_html(
             targets.append("model-view")
     for f in fragments:
         sections.append(f'<section id="{f.id}"><h2>{_both(f.title)}</h2>{f.html}</section>')
-    if trace is not None:
-        sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(trace)}</section>')
+    if w is not None:
+        sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(w)}</section>')
         targets.append("checks")
     nav = "".join(f'<a href="#{t}">{_both("nav_" + t.replace("-", "_"))}</a>' for t in targets)
     scripts = "".join(f"<script>{f.script}</script>" for f in fragments if f.script)
@@ -493,19 +534,20 @@ def prepare(args, stdout=None) -> Optional[Path]:
 def write(
     args,
     out: Optional[Path],
-    trace: Optional[Trace],
+    trace: Union[Trace, Walkthrough, None],
     maps: Sequence[HeadMaps],
     stdout,
     *,
     group: str = "batch",
     start: int = 0,
     head: int = 0,
+    fragments: Sequence[Fragment] = (),
 ) -> int:
-    """Write ``--format html`` (trace and maps, see :func:`render_html`) or ``png`` (the heads of
+    """Write ``--format html`` (a trace or walkthrough, maps and fragments, see :func:`render_html`) or ``png`` (the heads of
     ``maps[start]``) to ``out`` (from :func:`prepare`; None = stdout)."""
     data: Union[str, bytes]
     if args.format == "html":
-        data = render_html(trace, maps, lang=args.lang, group=group, start=start, head=head)
+        data = render_html(trace, maps, lang=args.lang, group=group, start=start, head=head, fragments=fragments)
     elif args.format == "png":
         from .visual_png import png_bytes
 
@@ -521,8 +563,9 @@ def write(
 def run(args, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
-    The example is :func:`.example.trace_example`, the forward pass the text walkthrough explains.
+    The example is the walkthrough the text formats print (:func:`.walkthrough.explain`): the
+    same steps, numbers and checks.
     """
     out = prepare(args, stdout)
-    trace = trace_example(config_from_args(args))
-    return write(args, out, trace, head_maps_from_trace(trace), stdout)
+    w = explain_example(config_from_args(args))
+    return write(args, out, w, head_maps_from_trace(w.trace), stdout)
