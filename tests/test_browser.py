@@ -11,6 +11,7 @@ Skips only when Chromium or Playwright is not installed (``make test`` installs 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ import pytest
 
 from multihead.cli import build_parser
 from multihead.explain import visual
-from multihead.explain.example import ExampleConfig, trace_example
+from multihead.explain import walkthrough
+from multihead.explain.example import ExampleConfig
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_ARGS = [
@@ -39,6 +41,14 @@ def _chromium() -> str:
     return path
 
 
+def _walkthrough():
+    """The walkthrough the CLI draws for GQA cross-attention (deterministic in its seed)."""
+    args = build_parser().parse_args(
+        ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
+    )
+    return walkthrough.explain(ExampleConfig.from_args(args))
+
+
 @pytest.fixture(scope="module")
 def browser_page(tmp_path_factory):
     chromium = _chromium()
@@ -49,14 +59,12 @@ def browser_page(tmp_path_factory):
         print(f"SKIP: {reason}", file=sys.stderr)
         pytest.skip(reason)
 
-    args = build_parser().parse_args(
-        ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
-    )
-    trace = trace_example(ExampleConfig.from_args(args))
+    w = _walkthrough()
+    trace = w.trace
     maps = visual.head_maps_from_trace(trace, q_tokens=TOKENS_Q, k_tokens=TOKENS_K)
     tmp = tmp_path_factory.mktemp("browser")
     page_path = tmp / "walkthrough.html"
-    page_path.write_text(visual.render_html(trace, maps), encoding="utf-8")
+    page_path.write_text(visual.render_html(w, maps), encoding="utf-8")
     url = page_path.as_uri()
 
     events = {"console_errors": [], "requests": [], "dialogs": []}
@@ -317,3 +325,45 @@ def test_model_view_has_a_thumbnail_per_layer_and_head(open_page):
     assert _weights_shown(page) == pytest.approx(maps[2].weights[3].flatten().tolist(), abs=1e-6)
     assert page.eval_on_selector_all(".mv-thumb.selected", "els => els.map(e => e.dataset.layer + '/' + e.dataset.head)") == ["2/3"]
     assert page.is_hidden("#worked")   # weights only: no q and k to work a score out from
+
+
+def test_step_cards_carry_the_numbers_the_text_prints(browser_page):
+    """Each card's tables hold, row by row, the numbers of the text walkthrough's lines for that step."""
+    page, trace, _, _ = browser_page
+    w = _walkthrough()
+    text = walkthrough.render_text(w, lang="en")
+    shown = page.eval_on_selector_all(
+        "li.step",
+        "els => els.map(e => Array.from(e.querySelectorAll('table.values tr'), tr => tr.classList.contains('gap') ? ['⋮'] :"
+        " Array.from(tr.querySelectorAll('td'), td => td.textContent)))",
+    )
+    with_numbers = 0
+    for s, rows in zip(trace.steps, shown):
+        expected = []
+        for block in walkthrough.step_blocks(s, w, "en"):
+            lines = walkthrough._block_lines(block, "", "en")[1:]
+            for line in lines:
+                assert line.strip() in text, (s.label, line)  # the text prints this line
+                tokens = line.split()
+                if tokens == ["⋮"]:
+                    expected.append(tokens)
+                    continue
+                label_tokens = len(f"{block.row_label}0".split())
+                cells = tokens[label_tokens:]
+                expected.append([c for c in cells if c != "|"])
+        assert rows == expected, s.label
+        with_numbers += bool(expected)
+    # the text shows numbers for every step but one (move heads back: the numbers of weights × V)
+    assert with_numbers == sum(bool(walkthrough.step_blocks(s, w, "en")) for s in trace.steps) >= len(trace.steps) - 1
+
+
+def test_checks_are_the_texts_checks(browser_page):
+    page, _, _, _ = browser_page
+    w = _walkthrough()
+    held, total = map(int, re.search(r"checks \((\d+)/(\d+) hold\)", walkthrough.render_text(w)).groups())
+    items = page.eval_on_selector_all("ul.checks li", "els => els.map(e => e.querySelector('[data-l=en]').textContent)")
+    assert len(items) == total == len(w.checks) and held == total
+    assert items == [walkthrough._check_text(c, w, "en") for c in w.checks]
+    assert page.inner_text("#checks-summary") == f"{held}/{total}"
+    own = sum(len(s.checks) for s in w.trace.steps)
+    assert total > own  # the recomputations are on the page too, not only the trace's own checks
