@@ -22,7 +22,7 @@ Public surface:
   decoding (eager and compiled, one cache per layer) and rotary position embeddings
 """
 
-from . import backends, masks, nn
+from . import backends, masks, nn, steps
 from .cache import KVCache, KVCaches, StaticKVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch
@@ -45,6 +45,7 @@ __all__ = [
     "masks",
     "backends",
     "nn",
+    "steps",
     "MultiHeadAttention",
     "PerHeadAttention",
     "AttentionConfig",

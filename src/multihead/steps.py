@@ -27,7 +27,7 @@ dim, q query tokens, k key tokens, d_in/d_out/d_kv feature widths.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 __all__ = [
     "LANGS",
@@ -158,7 +158,7 @@ class StepKind:
     #: the params the producer must record (consumers read them without guessing)
     params: tuple[str, ...] = field(default=())
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.cost not in COST_RULES:
             raise ValueError(f"step kind {self.id!r}: cost rule {self.cost!r} is not one of {sorted(COST_RULES)}")
         unknown = [c for c in self.checks if c not in CHECKS]
@@ -174,7 +174,7 @@ class _Unknown:
         return "?"
 
 
-class _Values(dict):
+class _Values(dict[str, Any]):
     def __missing__(self, key: str) -> _Unknown:
         return _Unknown()
 
@@ -187,7 +187,7 @@ def _text(text: Text, values: Mapping[str, Any], lang: str) -> str:
     return text[LANGS.index(lang)].format_map(_Values(values))
 
 
-def mask_words(kinds, lang: str, sep: str = " & ") -> str:
+def mask_words(kinds: Sequence[str], lang: str, sep: str = " & ") -> str:
     """The mask kinds ("causal", "padding") in ``lang``: "causal & padding" / "因果 & 填充"."""
     unknown = [k for k in kinds if k not in MASK_KINDS]
     if unknown:
@@ -294,6 +294,17 @@ def _cache_meaning(v: Mapping[str, Any], lang: str) -> str:
     return f"把 {v['new']} 个新 token 的{what}写入缓存；注意力随后读取缓存中全部 {v['length']} 个 token（max_len {v['max_len']}）。"
 
 
+def _merge_meaning(v: Mapping[str, Any], lang: str) -> str:
+    en = lang == "en"
+    text = ("Concatenate the heads: {H} x {D} = {d_out} features per token. " if en
+            else "拼接：把各头拼回去，{H} × {D} = {d_out} 维。").format_map(v)
+    if v.get("view"):  # one token: the heads are contiguous after all
+        return text + ("A view here: with one token the heads already sit side by side in memory." if en
+                       else "这里是 view：只有一个 token 时，各头在内存中本来就相邻。")
+    return text + ("A copy: after the transpose the heads are not contiguous, so reshape must move data." if en
+                   else "这是复制：转置后各头在内存中不连续，reshape 必须移动数据。")
+
+
 def _fused_note(v: Mapping[str, Any], lang: str) -> str:
     en = lang == "en"
     backend = v["backend"]
@@ -301,7 +312,7 @@ def _fused_note(v: Mapping[str, Any], lang: str) -> str:
         how = {"is_causal": "is_causal=True", "none": "no mask" if en else "无掩码"}.get(
             v["mask"], (f"{v['mask_dtype']} mask tensor" if en else f"{v['mask_dtype']} 掩码张量"))
         return (f"torch scaled_dot_product_attention, {v['kernel']} kernel, {how}" if en
-                else f"torch scaled_dot_product_attention，{v['kernel']} 内核，{how}")
+                else f"PyTorch 的 scaled_dot_product_attention，{v['kernel']} 内核，{how}")
     if backend == "chunked":
         if en:
             return (f"multihead chunked online softmax, tiles of {v['block_q']} queries × {v['block_k']} keys: "
@@ -451,10 +462,7 @@ MOVE_HEADS_BACK = StepKind(
 MERGE_HEADS = StepKind(
     "merge_heads", "merge heads", "b t h d -> b t (h d)", ("b", "t", "d_out"),
     ("merge heads", "拼接各头"),
-    ("Concatenate the heads: {H} x {D} = {d_out} features per token. A copy: after the transpose "
-     "the heads are not contiguous, so reshape must move data.",
-     "拼接：把各头拼回去，{H} × {D} = {d_out} 维。这是复制：转置后各头在内存中不连续，reshape 必须移动数据。"),
-    "copy", checks=("heads concatenated back to d_out",),
+    _merge_meaning, "copy", checks=("heads concatenated back to d_out",),
 )
 OUTPUT_PROJECTION = StepKind(
     "output_projection", "output projection", None, ("b", "t", "d_out"),

@@ -70,8 +70,8 @@ class Step:
     tensor: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     extras: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
-    def _values(self, sizes: Optional[dict] = None) -> dict[str, Any]:
-        return {**(sizes or {}), **self.params, "role": self.role}
+    def _values(self, sizes: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        return {**(sizes or {}), **self.params, "role": self.role, "view": self.view}
 
     @property
     def name(self) -> str:
@@ -93,7 +93,7 @@ class Step:
             text = f"{text} {role}" if lang == "en" else f"{text}（{role}）"
         return text
 
-    def meaning(self, lang: str = "en", sizes: Optional[dict] = None) -> str:
+    def meaning(self, lang: str = "en", sizes: Optional[dict[str, Any]] = None) -> str:
         """One line saying what the step means, with ``sizes`` (the example's B, Lq, ...) filled in."""
         return _steps._text(self.kind.meaning, self._values(sizes), lang)
 
@@ -367,9 +367,14 @@ def trace(root: Optional[torch.nn.Module] = None, *, keep_values: bool = True) -
     """
     if not isinstance(keep_values, bool):
         raise TypeError(f"keep_values must be True or False, got {keep_values!r}")
-    if root is not None and not isinstance(root, torch.nn.Module):
-        raise TypeError(f"root must be the nn.Module being traced (or None), got {type(root).__name__}")
+    _check_root(root)
     return Trace(keep_values=keep_values, root=root)
+
+
+def _check_root(root: object) -> None:
+    if root is not None and not isinstance(root, torch.nn.Module):
+        hint = "; keep_values is keyword-only: trace(keep_values=...)" if isinstance(root, bool) else ""
+        raise TypeError(f"root must be the nn.Module being traced (or None), got {type(root).__name__}{hint}")
 
 
 def _layout_checks(kind: _steps.StepKind, out: torch.Tensor, src: torch.Tensor, view: bool) -> dict[str, bool]:

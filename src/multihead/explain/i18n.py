@@ -33,6 +33,12 @@ _WORDS = {
         "reference：每一步都是一个普通的张量运算，因此每一步都可见"
         '（backend="auto" 会把从注意力分数到加权求和的步骤融合成一次 SDPA 调用）',
     ),
+    "backend_fused_line": (
+        "{backend}: one fused call from the scores to weights × V, so those steps are one step here "
+        '(backend="reference" shows each of them)',
+        "{backend}：从注意力分数到加权求和是一次融合调用，因此这里只有一步"
+        '（backend="reference" 会显示其中每一步）',
+    ),
     "axes": ("axes", "轴"),
     "axes_line": (
         "b batch, t tokens, h heads, d head dim, q query tokens, k key tokens",

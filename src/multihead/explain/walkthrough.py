@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 
 from . import check_out, write_output
-from ..config import _resolved
 from ..module import MultiHeadAttention
 from ..trace import Step, Trace
 from . import cost as _cost
@@ -63,10 +62,14 @@ class PerHead:
 
 @dataclass
 class Walkthrough:
-    """Everything one ``multihead explain`` run computed."""
+    """Everything one ``multihead explain`` run computed.
 
-    config: ExampleConfig
-    module: MultiHeadAttention
+    config: the example that was built, or None for a trace of the user's own module (the
+    summary is then read from the trace). module / inputs: what ran, when known.
+    """
+
+    config: Optional[ExampleConfig]
+    module: Optional[MultiHeadAttention]
     inputs: tuple
     trace: Trace
     output: torch.Tensor
@@ -202,8 +205,9 @@ def step_blocks(step: Step, w: Walkthrough, lang: str) -> list[Block]:
     if kind in (S.WEIGHTED_SUM, S.FUSED_ATTENTION):
         return [Block(word("rows_out", lang), t[0, 0], "q")]
     if kind is S.MERGE_HEADS:
-        D = w.module.config.head_dim
-        heads = w.module.config.num_heads
+        sizes = trace_sizes(w.trace, step)
+        D = sizes.get("D", 1)
+        heads = sizes.get("H", step.shape[-1] // D)
         shown = [i for i in _pick_indices(heads, 4)]
         ranges = ", ".join("…" if i is None else f"{i}: {i * D}-{i * D + D - 1}" for i in shown)
         return [Block(word("merged_cols", lang, ranges=ranges), t[0], "t")]
@@ -264,23 +268,35 @@ def _meaning(step: Step, w: Walkthrough, lang: str) -> str:
     return text
 
 
+def _module_code(w: Walkthrough) -> str:
+    """The traced module as one line of code, or "" when the walkthrough has none."""
+    if w.module is None:
+        return ""
+    return f"{type(w.module).__name__}({w.module.config.summary()})"
+
+
 def _summary_lines(w: Walkthrough, lang: str) -> list[tuple[str, str]]:
-    c, s = w.config, w.sizes()
-    parts = [word("sizes", lang, **s)]
-    if c.num_kv_heads != c.heads:
+    c, s, cfg = w.config, w.sizes(), w.trace.config
+    parts = [word("sizes", lang, **s)] if "H" in s and "B" in s else []
+    if s.get("Hkv", s.get("H")) != s.get("H"):
         parts.append(word("kv_heads", lang, **s))
-    if c.keys is not None:
+    if c is not None and c.keys is not None:
         parts.append(word("cross", lang, **s))
-    if c.causal:
+    if cfg.get("causal"):
         parts.append(word("causal", lang))
-    if c.dropout:
+    if s.get("p") and (w.module is None or w.module.training):
         parts.append(word("dropout", lang, **s))
-    parts.append(word("seed", lang, seed=c.seed))
+    if c is not None:
+        parts.append(word("seed", lang, seed=c.seed))
     sep = ", " if lang == "en" else "，"
-    return [
-        (word("example", lang), sep.join(parts)),
-        (word("code", lang), c.module_call()),
-        (word("backend", lang), word("backend_line", lang)),
+    backend = cfg.get("backend", "reference")
+    lines = [(word("example", lang), sep.join(parts))] if parts else []
+    code = c.module_call() if c is not None else _module_code(w)
+    if code:
+        lines.append((word("code", lang), code))
+    return lines + [
+        (word("backend", lang), word("backend_line", lang) if backend == "reference"
+         else word("backend_fused_line", lang, backend=backend)),
         (word("axes", lang), word("axes_line", lang)),
     ]
 
@@ -319,7 +335,7 @@ def render_text(w: Walkthrough, *, lang: str = "en", values: bool = True, color:
     if w.per_head is not None:
         out += ["", st.bold(word("per_head", lang))]
         out += _wrap(word("per_head_line", lang, **w.sizes()), "  ")
-        if w.config.dropout:
+        if w.sizes().get("p"):
             out += _wrap(word("per_head_eval", lang), "  ")
         out.append("  " + word("max_diff", lang, diff=w.per_head.max_diff, tol=w.per_head.tolerance))
     if w.costs is not None:
@@ -351,17 +367,26 @@ def _cost_lines(w: Walkthrough, costs: list, lang: str) -> list[str]:
         rows.append((step_title(s, lang), f"{c.flops:,}", f"{c.bytes:,}"))
     rows.append((word("total", lang), f"{sum(c.flops for c in costs):,}", f"{sum(c.bytes for c in costs):,}"))
     lines += _table(rows, {1, 2})
-    c, mc = w.config, w.module.config
-    d_out = _resolved(mc.d_out)
-    lines += [""] + _wrap(word("heads_table", lang, Lq=c.tokens, Lk=c.key_tokens, d_out=d_out), "  ")
-    table = _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, d_out, bias=mc.bias)
+    table = _head_counts(w)
+    if table is None:
+        return lines
+    sz = w.sizes()
+    lines += [""] + _wrap(word("heads_table", lang, Lq=sz["Lq"], Lk=sz["Lk"], d_out=sz["d_out"]), "  ")
     rows = [tuple(word(k, lang) for k in ("heads_col", "hd_col", "attn_col", "proj_col", "total_col", "scores_col"))]
     for a in table:
         rows.append((a.heads, a.head_dim, f"{a.attention:,}", f"{a.projections:,}", f"{a.total:,}", f"{a.score_elements:,}"))
     lines += _table(rows, {0, 1, 2, 3, 4, 5})
-    core = 4 * c.batch * c.tokens * c.key_tokens * d_out
+    core = 4 * sz["B"] * sz["Lq"] * sz["Lk"] * sz["d_out"]
     lines += _wrap(word("heads_conclusion", lang, core=f"{core:,}"), "  ")
     return lines
+
+
+def _head_counts(w: Walkthrough) -> Optional[list]:
+    """The seeds' head-count table for the traced sizes, or None when the trace has no module config."""
+    s = w.sizes()
+    if not all(k in s for k in ("B", "Lq", "Lk", "d_in", "d_out")):
+        return None
+    return _cost.head_count_table(s["B"], s["Lq"], s["Lk"], s["d_in"], s["d_out"], bias=bool(w.trace.config.get("bias")))
 
 
 def _check_text(c: Check, w: Walkthrough, lang: str) -> str:
@@ -443,15 +468,14 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
         if values:
             d["values"] = [{"caption": b.caption, "row_label": b.row_label, "matrix": _jsonable(b.matrix)}
                            for b in step_blocks(s, w, lang)]
-    data["example"] = w.config.to_dict()
-    data["code"] = w.config.module_call()
+    data["example"] = w.config.to_dict() if w.config is not None else None
+    data["code"] = w.config.module_call() if w.config is not None else (_module_code(w) or None)
     data["lang"] = lang
     data["checks"] = [{"step": c.step, "name": c.name, "text": _check_text(c, w, lang), "ok": c.ok} for c in w.checks]
     data["all_checks_hold"] = w.all_checks_hold
     if w.per_head is not None:
         data["per_head"] = {"max_abs_diff": w.per_head.max_diff, "tolerance": w.per_head.tolerance, "ok": w.per_head.ok}
     if w.costs is not None:
-        c, mc = w.config, w.module.config
         data["cost"] = {
             "steps": [{"step": x.label, "flops": x.flops, "bytes": x.bytes} for x in w.costs],
             "total_flops": sum(x.flops for x in w.costs),
@@ -459,7 +483,7 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
             "head_counts": [
                 {"heads": a.heads, "head_dim": a.head_dim, "attention_flops": a.attention,
                  "projection_flops": a.projections, "total_flops": a.total, "score_elements": a.score_elements}
-                for a in _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, _resolved(mc.d_out), bias=mc.bias)
+                for a in _head_counts(w) or []
             ],
         }
     return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False) + "\n"
