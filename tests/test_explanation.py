@@ -108,12 +108,12 @@ def test_a_fused_call_is_opened_up_on_the_reference_backend_and_says_so(backend)
 def test_the_agreement_check_fails_when_the_fused_output_is_wrong(monkeypatch):
     from multihead.backends import sdpa
 
-    real = sdpa.attend
+    real = sdpa.F.scaled_dot_product_attention
 
     def off_by_a_little(*args, **kwargs):
         return real(*args, **kwargs) + 1e-3
 
-    monkeypatch.setattr(sdpa, "attend", off_by_a_little)
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", off_by_a_little)
     mha = _module(d_in=8, num_heads=2, backend="sdpa").eval()
     e = multihead.explain(mha, _x(1, 4, 8))
     assert e.agreement is not None and not e.agreement.ok and e.agreement.max_diff > 5e-4

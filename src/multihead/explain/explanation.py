@@ -268,7 +268,9 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
                             "pass the module instead to run it on inputs")
         if not source.steps:
             raise ValueError("the trace recorded no steps: run the module inside `with multihead.trace() as tr:`")
-        return Explanation(Walkthrough(None, None, (), source, None))
+        from .visual import as_walkthrough
+
+        return Explanation(as_walkthrough(source))
     if not isinstance(source, MultiHeadAttention):
         raise TypeError(
             f"explain takes a multihead.MultiHeadAttention (and its inputs) or a multihead.Trace, got {type(source).__name__}"

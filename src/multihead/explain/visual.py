@@ -367,11 +367,13 @@ def _checks_html(w: Walkthrough) -> str:
 
 
 def as_walkthrough(source: Union[Trace, Walkthrough]) -> Walkthrough:
-    """``source`` itself, or the walkthrough of a bare trace (its own checks, no recomputations)."""
+    """``source`` itself, or the walkthrough of a bare trace: its own checks (no recomputations),
+    its output the last step's values (an empty tensor when the trace kept none)."""
     if isinstance(source, Walkthrough):
         return source
     if isinstance(source, Trace):
-        return Walkthrough(None, None, (), source, None)
+        last = source.steps[-1].tensor if source.steps else None
+        return Walkthrough(None, None, (), source, last if last is not None else torch.empty(0))
     raise TypeError(f"expected a multihead.Trace or a Walkthrough, got {type(source).__name__}")
 
 
