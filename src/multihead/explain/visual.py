@@ -39,7 +39,7 @@ from ..trace import Step, Trace
 from . import visual_text as _text
 from .example import config_from_args
 from .walkthrough import _MAX_COLS, _MAX_ROWS, Walkthrough, _check_text, _num, _pick_indices, step_blocks
-from .walkthrough import explain as explain_example
+from . import walkthrough as _walkthrough
 from .. import steps
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
 from .visual_svg import axis_sizes, step_kind, step_svg
@@ -569,5 +569,5 @@ def run(args, stdout) -> int:
     same steps, numbers and checks.
     """
     out = prepare(args, stdout)
-    w = explain_example(config_from_args(args))
+    w = _walkthrough.explain(config_from_args(args))
     return write(args, out, w, head_maps_from_trace(w.trace), stdout)
