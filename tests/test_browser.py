@@ -111,6 +111,15 @@ def open_page(browser_page, tmp_path):
         page.close()
 
 
+def _hover(page, selector: str) -> None:
+    """Scroll the cell into view and let the page settle before the pointer moves onto it: the
+    page hides its tooltip on scroll (a tap, then a scroll), and hovering a cell below the fold
+    would scroll after the pointer arrived."""
+    page.eval_on_selector(selector, "e => e.scrollIntoView({block: 'center'})")
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    page.hover(selector)
+
+
 def _weights_shown(page) -> list[float]:
     return page.eval_on_selector_all("#heat-weights .cell", "cells => cells.map(c => Number(c.dataset.v))")
 
@@ -158,7 +167,7 @@ def test_switching_head_changes_the_heat_map(browser_page):
 def test_hover_reads_value_and_tokens_as_text(browser_page):
     page, _, maps, events = browser_page
     page.select_option("#head-select", "2")
-    page.hover('#heat-weights .cell[data-q="3"][data-k="0"]')
+    _hover(page, '#heat-weights .cell[data-q="3"][data-k="0"]')
     tip = page.inner_text("#tip")
     assert page.is_visible("#tip")
     assert "“tok” → " in tip and "“<script>”" in tip
@@ -237,7 +246,7 @@ def test_blocked_scores_given_as_minus_infinity(open_page):
     cells = page.eval_on_selector_all("#heat-scores .cell", "els => els.map(e => e.textContent)")
     assert cells[1] == cells[2] == cells[5] == "\u2212\u221e"
     assert cells[0] == f"{scores[0, 0, 0].item():.1f}"
-    page.hover('#heat-scores .cell[data-q="0"][data-k="2"]')
+    _hover(page, '#heat-scores .cell[data-q="0"][data-k="2"]')
     assert page.inner_text("#tip").endswith("score: \u2212\u221e (blocked)")
 
 
@@ -279,7 +288,7 @@ def test_hover_on_a_score_works_it_out_by_hand(browser_page):
     under the pointer; the sum is the float64 dot product of the trace's own q and k."""
     page, _, maps, events = browser_page
     page.select_option("#head-select", "2")
-    page.hover('#heat-scores .cell[data-q="3"][data-k="1"]')
+    _hover(page, '#heat-scores .cell[data-q="3"][data-k="1"]')
     box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset, {hidden: e.hidden})")
     assert (box["hidden"], box["head"], box["q"], box["k"]) == (False, "2", "3", "1")
     m = maps[0]
@@ -292,11 +301,13 @@ def test_hover_on_a_score_works_it_out_by_hand(browser_page):
     fmt = lambda v: ("\u2212" if v < 0 else "") + f"{abs(v):.4f}"  # noqa: E731
     assert " + ".join(f"({fmt(a)})({fmt(b)})" for a, b in zip(q.tolist(), k.tolist())) in text
     assert f"= {fmt(expected)}" in text and f"= {fmt(expected * m.scale)}" in text
-    assert "q₃ · k₁" in text
+    assert "q₃ · k₁ = Σ_d q₃[d] k₁[d]   (d = 0 … 3)" in text
+    active = page.eval_on_selector_all("#heat-scores .cell.active", "els => els.map(e => [e.dataset.q, e.dataset.k])")
+    assert active == [["3", "1"]]   # the cell worked out stays marked on the score matrix
     # the scaled score it arrives at is the one the scores panel shows for that cell
     shown = page.eval_on_selector('#heat-scores .cell[data-q="3"][data-k="1"]', "e => Number(e.dataset.v)")
     assert float(box["scaled"]) == pytest.approx(shown, abs=8 * torch_eps32() * max(1.0, abs(shown)) * q.numel())
-    page.hover('#heat-scores .cell[data-q="0"][data-k="5"]')   # a blocked cell: worked, then masked
+    _hover(page, '#heat-scores .cell[data-q="0"][data-k="5"]')   # a blocked cell: worked, then masked
     assert page.eval_on_selector("#worked", "e => e.dataset.k") == "5"
     assert "−∞" in page.inner_text("#worked-text")
     assert events["console_errors"] == []

@@ -74,7 +74,7 @@
     var scaled = sum * map.scale, ij = sub(i) + "," + sub(j);
     var lines = [
       ui("head") + " " + h + ", " + ui("query") + " " + i + labelOf(map.q_tokens, i) + ", " + ui("key") + " " + j + labelOf(map.k_tokens, j),
-      "q" + sub(i) + " \u00b7 k" + sub(j) + " = \u03a3\u1d48 q" + sub(i) + "\u1d48 k" + sub(j) + "\u1d48",
+      "q" + sub(i) + " \u00b7 k" + sub(j) + " = \u03a3_d q" + sub(i) + "[d] k" + sub(j) + "[d]   (d = 0 \u2026 " + (D - 1) + ")",
       "  = " + terms.join(" + "),
       "  = " + num(sum) + "   (" + ui("worked_sum").replace("{D}", String(D)) + ")",
       "s" + ij + " = " + num(sum) + " \u00d7 " + map.scale.toPrecision(4) + " = " + num(scaled) + "   (" + ui("worked_scaled") + ")"
@@ -85,6 +85,9 @@
     box.dataset.sum = String(sum); box.dataset.scaled = String(scaled); box.dataset.terms = String(D);
     box.hidden = false;
     worked.q = i; worked.k = j;
+    Array.prototype.forEach.call(document.querySelectorAll("#heat-scores .cell.active"), function (c) { c.classList.remove("active"); });
+    var cell = document.querySelector('#heat-scores .cell[data-q="' + i + '"][data-k="' + j + '"]');
+    if (cell) cell.classList.add("active");
   }
 
   function labelOf(tokens, i) { return tokens ? " \u201c" + tokens[i] + "\u201d" : ""; }
