@@ -323,11 +323,11 @@ def test_model_view_has_a_thumbnail_per_layer_and_head(open_page):
     import torch
 
     g = torch.Generator().manual_seed(2)
-    maps = [visual.HeadMaps(torch.softmax(torch.randn(4, 5, 5, generator=g), -1), title=f"layer {i}") for i in range(3)]
+    maps = [visual.HeadMaps(torch.softmax(torch.randn(12, 5, 5, generator=g), -1), title=f"layer {i}") for i in range(3)]
     page, events, url = open_page(visual.render_html(None, maps, group="layer"))
     assert events["console_errors"] == [] and events["requests"] == [url]
     thumbs = page.eval_on_selector_all(".mv-thumb", "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.head)])")
-    assert thumbs == [[layer, h] for layer in range(3) for h in range(4)]
+    assert thumbs == [[layer, h] for layer in range(3) for h in range(12)]
     sizes = page.eval_on_selector_all(".mv-thumb canvas", "els => els.map(c => [c.width, c.height, c.getBoundingClientRect().width])")
     assert all(w == 5 and h == 5 and shown >= 16 for w, h, shown in sizes)
     page.click('.mv-thumb[data-layer="2"][data-head="3"]')
@@ -336,6 +336,8 @@ def test_model_view_has_a_thumbnail_per_layer_and_head(open_page):
     assert _weights_shown(page) == pytest.approx(maps[2].weights[3].flatten().tolist(), abs=1e-6)
     assert page.eval_on_selector_all(".mv-thumb.selected", "els => els.map(e => e.dataset.layer + '/' + e.dataset.head)") == ["2/3"]
     assert page.is_hidden("#worked")   # weights only: no q and k to work a score out from
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390   # the grid scrolls inside itself on a phone
 
 
 def test_step_cards_carry_the_numbers_the_text_prints(browser_page):
