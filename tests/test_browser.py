@@ -380,3 +380,24 @@ def test_checks_are_the_texts_checks(browser_page):
     assert page.inner_text("#checks-summary") == f"{held}/{total}"
     own = sum(len(s.checks) for s in w.trace.steps)
     assert total > own  # the recomputations are on the page too, not only the trace's own checks
+
+
+def test_a_fused_trace_page_has_its_steps_checks_and_language_switch(open_page):
+    """A trace of the sdpa backend (one fused step, no weights): the page has no heat maps, and
+    its script still runs the language toggle."""
+    import torch
+
+    import multihead
+
+    mha = multihead.MultiHeadAttention(8, 2, causal=True, backend="sdpa")
+    with torch.no_grad(), multihead.trace() as tr:
+        mha(torch.randn(1, 3, 8))
+    page, events, url = open_page(visual.render_html(tr, []))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    kinds = page.eval_on_selector_all("li.step", "els => els.map(e => e.dataset.step)")
+    assert kinds == [s.label for s in tr.steps] and any(s.kind.id == "fused_attention" for s in tr.steps)
+    assert page.locator("#attention").count() == 0 and page.locator("#model-view").count() == 0
+    fused = next(i for i, s in enumerate(tr.steps) if s.kind.id == "fused_attention")
+    assert page.locator(f"#step-{fused} table.values td").count() > 0   # its output's numbers, as in the text
+    page.click("#lang-toggle")
+    assert page.evaluate("document.documentElement.lang") == "zh" and page.inner_text("h1") == "多头注意力，逐步拆解"
