@@ -184,3 +184,37 @@ def test_import_multihead_stays_light_and_explain_is_callable_after_any_import()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "Explanation"
+
+
+def test_one_layer_of_a_traced_stack():
+    class Block(torch.nn.Module):
+        def __init__(self, heads):
+            super().__init__()
+            self.attn = multihead.MultiHeadAttention(8, heads, causal=True, backend="reference")
+
+        def forward(self, x):
+            return x + self.attn(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(2), Block(4)])
+    x = _x(1, 3, 8)
+    with torch.no_grad(), multihead.trace(root=model) as tr:
+        h = x
+        for b in model.blocks:
+            h = b(h)
+    e = multihead.explain(tr, layer=1)
+    assert {s.path for s in e.trace.steps} == {"blocks.1.attn"} and e.all_checks_hold
+    # the trace knows the module (its root and path): every step is recomputed, as for a module
+    names = [c.name for c in e.checks]
+    assert "equals Q·Kᵀ in float64" in names and "equals merged × W_Oᵀ in float64" in names
+    assert len(e.checks) > sum(len(s.checks) for s in e.trace.steps)
+    assert e.trace.step("softmax").shape[1] == 4          # layer 1's 4 heads
+    with torch.no_grad():
+        _, w1 = model.blocks[1].attn(x + model.blocks[0].attn(x), return_weights=True)
+    assert torch.equal(e.trace.step("softmax").tensor, w1)
+    assert "(b=1, h=4, q=3, k=3)" in e.text()
+    with pytest.raises(ValueError, match=r"layer must be one of the trace's layers \[0, 1\], got 2"):
+        multihead.explain(tr, layer=2)
+    with pytest.raises(TypeError, match="layer= selects a layer of a traced stack"):
+        multihead.explain(model.blocks[0].attn, x, layer=0)

@@ -247,17 +247,22 @@ def _agreement(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, c
     return Agreement(backend, _max_abs_diff(fused, reference), error, tolerance, error <= tolerance)
 
 
-def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cache: Any = None) -> Explanation:
+def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cache: Any = None,
+            layer: Optional[int] = None) -> Explanation:
     """The walkthrough of ``source``: a :class:`multihead.MultiHeadAttention` run on ``inputs``,
     or a :class:`multihead.Trace` the user recorded (then no inputs).
 
     Args:
-        source: the module, or a trace recorded with ``keep_values=True`` (the default).
+        source: the module, or a trace recorded with ``keep_values=True`` (the default): its
+            steps and own checks, plus every step recomputed in float64 when the trace knows its
+            module (``multihead.trace(root=model)``, one layer's call).
         inputs: ``x`` (B, Lq, d_in), optionally ``key`` (B, Lk, kdim) and ``value`` (B, Lk, vdim),
             as for ``module(x, key, value)``.
         mask: as for the module's forward (a :mod:`multihead.masks` mask, a bool or float tensor).
         cache: a :class:`multihead.KVCache` / ``StaticKVCache``: the call runs on a copy (yours
             keeps its length).
+        layer: for a trace of a stack (``multihead.trace(root=model)``), the layer whose steps
+            to explain (``step.layer``); None = every step of the trace.
 
     Raises TypeError for a source that is neither, ValueError for inputs the module refuses or
     that are too long to show (at most 256 tokens).
@@ -270,7 +275,18 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
             raise ValueError("the trace recorded no steps: run the module inside `with multihead.trace() as tr:`")
         from .visual import as_walkthrough
 
-        return Explanation(as_walkthrough(source))
+        shown = _layer_of(source, layer) if layer is not None else source
+        module = _traced_module(shown)
+        if module is None:
+            return Explanation(as_walkthrough(shown))
+        x = shown.select(steps.INPUT)[0].tensor
+        found = walkthrough_checks(shown, module, (x,)) if shown.keep_values and x is not None else []
+        # the inputs beyond x and any mask given are not in the trace: no plain-code comparison
+        extra = [c for c in found if c.name != _PLAIN_CODE_CHECK]
+        return Explanation(Walkthrough(None, module, (x,), shown, as_walkthrough(shown).output, extra))
+    if layer is not None:
+        raise TypeError("layer= selects a layer of a traced stack: pass the trace (multihead.trace(root=model)), "
+                        "not a single MultiHeadAttention")
     if not isinstance(source, MultiHeadAttention):
         raise TypeError(
             f"explain takes a multihead.MultiHeadAttention (and its inputs) or a multihead.Trace, got {type(source).__name__}"
@@ -302,3 +318,33 @@ def _walkthrough(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any,
     if not plain:
         found = [c for c in found if c.name != _PLAIN_CODE_CHECK]
     return Walkthrough(None, module, inputs, tr, out, found)
+
+
+def _layer_of(tr: Trace, layer: int) -> Trace:
+    """The steps of ``tr`` that layer ``layer`` ran, as a trace of their own (the config of that
+    layer's first call)."""
+    layers = sorted({s.layer for s in tr.steps if s.layer is not None})
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer not in layers:
+        raise ValueError(f"layer must be one of the trace's layers {layers}, got {layer!r}")
+    picked = tr.select(layer=layer)
+    first = next(s.call for s in picked if s.call is not None)
+    picked = [s for s in picked if s.call == first]
+    out = Trace(keep_values=tr.keep_values, root=tr.root)
+    out.steps = list(picked)
+    out.calls = tr.calls
+    out.config = dict(tr.calls[first].config) if first is not None else dict(tr.config)
+    return out
+
+
+def _traced_module(tr: Trace) -> Optional[MultiHeadAttention]:
+    """The module that ran every step of ``tr``, when the trace knows it (one call of a module
+    under the trace's root); else None."""
+    calls = {s.call for s in tr.steps}
+    paths = {s.path for s in tr.steps}
+    if tr.root is None or len(calls) != 1 or None in calls or len(paths) != 1:
+        return None
+    try:
+        module = tr.root.get_submodule(paths.pop()) if "" not in paths else tr.root
+    except AttributeError:  # the root changed since the trace ran
+        return None
+    return module if isinstance(module, MultiHeadAttention) else None
