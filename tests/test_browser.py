@@ -401,3 +401,19 @@ def test_a_fused_trace_page_has_its_steps_checks_and_language_switch(open_page):
     assert page.locator(f"#step-{fused} table.values td").count() > 0   # its output's numbers, as in the text
     page.click("#lang-toggle")
     assert page.evaluate("document.documentElement.lang") == "zh" and page.inner_text("h1") == "多头注意力，逐步拆解"
+
+
+def test_worked_score_reads_the_kv_head_of_its_group(browser_page, open_page):
+    """Keys given per kv head (Hkv = 2 for 4 query heads): query head 3 works its score out with
+    kv head 1, the key the scores used."""
+    _, _, maps, _ = browser_page
+    m = maps[0]
+    grouped = visual.HeadMaps(m.weights, scores=m.scores, keep=m.keep, q=m.q, k=m.k[::2], scale=m.scale)
+    page, events, _ = open_page(visual.render_html(None, [grouped]))
+    page.select_option("#head-select", "3")
+    _hover(page, '#heat-scores .cell[data-q="2"][data-k="4"]')
+    box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset)")
+    expected = sum(a * b for a, b in zip(m.q[3, 2].double().tolist(), m.k[3, 4].double().tolist()))
+    assert (box["head"], box["q"], box["k"]) == ("3", "2", "4")
+    assert float(box["sum"]) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert events["console_errors"] == []

@@ -59,8 +59,8 @@ class HeadMaps:
     title: one line saying what this is (model, layer, batch element).
     head_labels: {lang: H strings}, a short label per head after "head h" (a pattern the head
         shows), in "en" and optionally "zh"; None = no labels.
-    q / k: (H, Lq, D) queries and (H, Lk, D) keys per query head (a kv head repeated for its
-        group), the operands of the scores, or None; with both and ``scale`` the page works one
+    q / k: (H, Lq, D) queries and (Hkv, Lk, D) keys (Hkv dividing H: query head h reads key
+        head h // (H / Hkv), as grouped-query attention does), the operands of the scores, or None; with both and ``scale`` the page works one
         score out by hand (q_i · k_j = Σ_d q_id k_jd, times the scale) for the cell under the pointer.
     scale: the factor the scores were multiplied by (1/√D by default), or None.
     """
@@ -94,8 +94,10 @@ class HeadMaps:
             H, Lq, Lk = shape
             if self.q.dim() != 3 or tuple(self.q.shape[:2]) != (H, Lq):
                 raise ValueError(f"q must be (H, Lq, D) = ({H}, {Lq}, D) for weights of shape {shape}, got {tuple(self.q.shape)}")
-            if self.k.dim() != 3 or tuple(self.k.shape) != (H, Lk, self.q.shape[2]):
-                raise ValueError(f"k must be (H, Lk, D) = ({H}, {Lk}, {self.q.shape[2]}) for weights of shape {shape}, got {tuple(self.k.shape)}")
+            hkv = self.k.shape[0] if self.k.dim() == 3 else 0
+            if hkv == 0 or H % hkv or tuple(self.k.shape[1:]) != (Lk, self.q.shape[2]):
+                raise ValueError(f"k must be (Hkv, Lk, D) = (a divisor of {H}, {Lk}, {self.q.shape[2]}) for weights of shape "
+                                 f"{shape}, got {tuple(self.k.shape)}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale)):
             raise ValueError(f"scale must be a finite number (the factor of the scores), got {self.scale!r}")
         if self.head_labels is not None:

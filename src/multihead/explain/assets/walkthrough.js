@@ -62,7 +62,8 @@
     if (!box) return;
     if (!map.q || !map.k || map.scale === null || !map.scores) { box.hidden = true; return; }
     // the JSON holds the shortest decimals of float32 values: fround gives back the float32 itself
-    var q = map.q[h][i].map(Math.fround), k = map.k[h][j].map(Math.fround), D = q.length, sum = 0;
+    var kvHead = Math.floor(h / (map.q.length / map.k.length)); // grouped-query attention: h // g
+    var q = map.q[h][i].map(Math.fround), k = map.k[kvHead][j].map(Math.fround), D = q.length, sum = 0;
     for (var d = 0; d < D; d++) sum += q[d] * k[d];
     var shown = [];
     for (d = 0; d < D; d++) if (D <= TERMS_UP_TO || d < 4 || d === D - 1) shown.push(d);
