@@ -218,3 +218,13 @@ def test_one_layer_of_a_traced_stack():
         multihead.explain(tr, layer=2)
     with pytest.raises(TypeError, match="layer= selects a layer of a traced stack"):
         multihead.explain(model.blocks[0].attn, x, layer=0)
+
+
+def test_a_call_too_long_for_the_page_is_refused_by_html_and_shown_as_text_in_a_notebook():
+    mha = _module(d_in=8, num_heads=2, backend="reference")
+    e = multihead.explain(mha, _x(1, 65, 8))
+    with pytest.raises(ValueError, match=r"at most 64 tokens .* Lq=65, Lk=65: use .text\(\)"):
+        e.html()
+    assert e._repr_html_() is None and ".text()" in repr(e)   # Jupyter falls back to the repr
+    assert "checks (" in e.text()
+    assert multihead.explain(mha, _x(1, 64, 8))._repr_html_().startswith("<iframe")

@@ -139,3 +139,16 @@ def test_text_in_chinese_from_the_kernel(executed):
     with torch.no_grad():
         _, weights = mha(x, return_weights=True)
     assert f"{weights[0, 0, 1, 0].item():.4f}" in out   # the softmax rows of the learner's module
+
+
+def test_a_trace_too_long_for_heat_maps_still_shows_its_steps():
+    from multihead.explain.notebook import trace_html
+
+    mha = multihead.MultiHeadAttention(8, 2, backend="reference")
+    with torch.no_grad(), multihead.trace() as tr:
+        mha(torch.randn(1, 65, 8))
+    page = _page_in(trace_html(tr))
+    assert 'id="steps"' in page and 'id="attention"' not in page and _data(page)["maps"] == []
+    with torch.no_grad(), multihead.trace() as tr:
+        mha(torch.randn(1, 64, 8))
+    assert len(_data(_page_in(trace_html(tr)))["maps"]) == 1

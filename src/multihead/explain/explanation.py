@@ -151,26 +151,48 @@ class Explanation:
                                 "tolerance": a.tolerance, "ok": a.ok, "text": self.headline(lang)}
         return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False) + "\n"
 
+    def _too_large_for_a_page(self) -> Optional[str]:
+        """Why the page cannot draw this walkthrough (None when it can)."""
+        limit = LIMITS["html"]
+        scores = self.trace.select(steps.SCORES)
+        if not scores:
+            return None
+        lq, lk = scores[0].shape[-2:]
+        if max(lq, lk) > limit.tokens or scores[0].tensor is not None and scores[0].tensor.numel() > limit.scores:
+            return (f"the page shows at most {limit.tokens} tokens and {limit.scores:,} scores ({limit.why}); "
+                    f"this call has Lq={lq}, Lk={lk}: use .text() or .json(), or explain a shorter slice such as x[:, :{limit.tokens}]")
+        return None
+
     def html(self, lang: str = "en") -> str:
-        """One self-contained HTML page (inline CSS, JS and SVG; no network)."""
+        """One self-contained HTML page (inline CSS, JS and SVG; no network).
+
+        Raises ValueError past the page's size (at most 64 query or key tokens)."""
         from . import visual
 
         _check_lang(lang)
+        why = self._too_large_for_a_page()
+        if why is not None:
+            raise ValueError(why)
         found = visual.attention_steps(self.trace)
         maps = visual.head_maps_from_trace(self.trace) if found is not None and self.trace.keep_values else []
         note = {lg: self.headline(lg) for lg in LANGS} if self.agreement is not None else None
         return visual.render_html(self.walkthrough, maps, lang=lang, source_note=note)
 
-    def _repr_html_(self) -> str:
+    def _repr_html_(self) -> Optional[str]:
+        """Jupyter's display: the page in an isolated iframe; None (Jupyter then shows the text
+        repr) when the call is too large for the page."""
         from .notebook import iframe
 
+        if self._too_large_for_a_page() is not None:
+            return None
         return iframe(self.html())
 
     def __repr__(self) -> str:
         checks = self.checks
         held = sum(c.ok for c in checks)
         how = f", re-run on the reference backend from {self.agreement.backend}" if self.agreement else ""
-        return f"<multihead.Explanation: {len(self.trace.steps)} steps{how}, checks {held}/{len(checks)} hold>"
+        return (f"<multihead.Explanation: {len(self.trace.steps)} steps{how}, checks {held}/{len(checks)} hold; "
+                f".text(), .markdown(), .json(), .html()>")
 
 
 def _check_lang(lang: str) -> None:

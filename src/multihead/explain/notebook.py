@@ -43,13 +43,15 @@ def iframe(page: str, *, height: int = DEFAULT_HEIGHT, title: str = "multihead w
 def trace_page(trace: Trace, *, lang: str = "en") -> str:
     """The HTML page of a recorded :class:`multihead.Trace`: its steps and checks, and the
     heat maps when the trace holds the reference backend's scores and weights (a fused backend
-    records one step and no weights; :func:`multihead.explain` re-runs it to open it up)."""
+    records one step and no weights; :func:`multihead.explain` re-runs it to open it up) and
+    they fit a page (at most 64 query and key tokens)."""
     from . import visual
 
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a multihead.Trace, got {type(trace).__name__}")
     maps: list["visual.HeadMaps"] = []
-    if trace.keep_values and _has_weights(trace):
+    found = visual.attention_steps(trace)
+    if trace.keep_values and found is not None and _fits_a_page(found.raw.shape):
         maps = visual.head_maps_from_trace(trace)
     return visual.render_html(trace, maps, lang=lang)
 
@@ -59,7 +61,12 @@ def trace_html(trace: Trace, *, lang: str = "en", height: Optional[int] = None) 
     return iframe(trace_page(trace, lang=lang), height=DEFAULT_HEIGHT if height is None else height)
 
 
-def _has_weights(trace: Trace) -> bool:
-    from .visual import attention_steps
+def _fits_a_page(scores_shape: tuple[int, ...]) -> bool:
+    """Whether the heat maps of scores (B, H, Lq, Lk) fit the page (:data:`.example.LIMITS`);
+    past that the page shows the steps and checks without them."""
+    from math import prod
 
-    return attention_steps(trace) is not None
+    from .example import LIMITS
+
+    limit = LIMITS["html"]
+    return max(scores_shape[-2:]) <= limit.tokens and prod(scores_shape) <= limit.scores
