@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from multihead.cli import build_parser
+from multihead.cli import parse_options
 from multihead.explain import visual
 from multihead.explain import walkthrough
-from multihead.explain.example import ExampleConfig
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_ARGS = [
@@ -43,10 +42,11 @@ def _chromium() -> str:
 
 def _walkthrough():
     """The walkthrough the CLI draws for GQA cross-attention (deterministic in its seed)."""
-    args = build_parser().parse_args(
-        ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
+    options = parse_options(
+        ["--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6",
+         "--causal"]
     )
-    return walkthrough.explain(ExampleConfig.from_args(args))
+    return walkthrough.explain(options.example)
 
 
 @pytest.fixture(scope="module")

@@ -419,7 +419,7 @@ def test_explain_does_not_import_the_cli():
     ["--batch", "3", "--tokens", "9", "--d-in", "5", "--d-out", "12", "--heads", "3", "--seed", "0"],
 ])
 def test_every_check_holds(argv):
-    w = explain(ExampleConfig.from_args(multihead.cli.build_parser().parse_args(["explain", *argv])), per_head=True)
+    w = explain(multihead.cli.parse_options(argv).example, per_head=True)
     assert w.checks and all(c.ok for c in w.checks), [c for c in w.checks if not c.ok]
 
 

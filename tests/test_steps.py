@@ -356,3 +356,21 @@ def test_each_call_keeps_its_own_config():
     from multihead.explain.i18n import trace_sizes
 
     assert trace_sizes(tr, tr.step("softmax", layer=1))["H"] == 4
+
+
+def test_a_hugging_face_model_on_multihead_keeps_each_layers_path():
+    transformers = pytest.importorskip("transformers")
+    from multihead.integrations import transformers as mh_tf
+
+    name = mh_tf.register(backend="reference")
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=48, num_hidden_layers=2, vocab_size=50,
+                                      max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaModel._from_config(config, attn_implementation=name).eval()
+    with torch.no_grad(), multihead.trace(model) as tr:
+        model(torch.tensor([[3, 7, 11, 2]]))
+    assert [c.path for c in tr.calls] == ["layers.0.self_attn", "layers.1.self_attn"]
+    weights = tr.select(steps.SOFTMAX)
+    assert [s.layer for s in weights] == [0, 1] and tr.step("softmax", layer=1) is weights[1]
+    assert tr.step(steps.REPEAT_KV, role="K", layer=1).params == {"groups": 2}

@@ -14,28 +14,28 @@ import pytest
 import torch
 
 from multihead import Trace
-from multihead.cli import build_parser, main
+from multihead.cli import main, parse_options
 from multihead.explain import visual
 from multihead.explain.visual import HeadMaps, head_maps_from_trace, render_html, step_kind
-from multihead.explain.example import ExampleConfig, trace_example
+from multihead.explain.example import trace_example
 from multihead import steps
 from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_title, trace_sizes
 from multihead.explain.visual_svg import axis_sizes, parse_pattern, step_svg
 
 CONFIGS = {
     "default": [],
-    "gqa-cross": ["--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"],
+    "gqa-cross": ["--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6", "--causal"],
     "no-causal-dropout": ["--no-causal", "--dropout", "0.3", "--batch", "3"],
 }
 
 
 def _args(extra, fmt="html", out="x"):
-    return build_parser().parse_args(["explain", "--format", fmt, "--out", str(out), *extra])
+    return parse_options(["--format", fmt, "--out", str(out), *extra])
 
 
 def _trace(extra, fmt="html"):
     """The trace the CLI draws for these options: the walkthrough's example."""
-    return trace_example(ExampleConfig.from_args(_args(extra, fmt)))
+    return trace_example(_args(extra, fmt).example)
 
 
 def _json_block(page: str) -> dict:

@@ -36,6 +36,8 @@ __all__ = [
     "CHECKS",
     "COST_RULES",
     "MASK_KINDS",
+    "SELECTING",
+    "selecting_kinds",
     "ROLES",
     "get",
     "mask_words",
@@ -85,7 +87,13 @@ MASK_KINDS: dict[str, tuple[str, str]] = {
     "alibi": ("ALiBi", "ALiBi 线性偏置"),
     "softcap": ("softcap", "软上限 softcap"),
     "sink": ("sink", "注意力汇聚 sink"),
+    "all": ("combined", "组合"),
 }
+
+#: the mask kinds that select (a -inf where they say False): what the mask step is made of.
+#: The others add to the scores (bias, alibi), rewrite them (score_mod, softcap) or join the
+#: softmax's denominator (sink).
+SELECTING = frozenset({"causal", "window", "padding", "keep", "torch", "documents", "chunked_local", "mask_mod"})
 
 #: every check a trace or ``multihead explain`` records, by its English name (the key a step's
 #: ``checks`` uses): its Chinese name
@@ -95,6 +103,7 @@ CHECKS: dict[str, str] = {
     "same data after transpose": "转置前后数据相同",
     "blocked scores are -inf": "被遮蔽的分数为 -inf",
     "rows sum to 1": "每行的和为 1",
+    "rows sum to at most 1 (a sink takes the rest)": "每行的和至多为 1（其余归注意力汇聚 sink）",
     "masked weights are exactly 0": "被遮蔽的权重恰好为 0",
     "rows with no visible key are all 0": "没有可见键的行全为 0",
     "heads concatenated back to d_out": "各头拼接回 d_out 维",
@@ -193,6 +202,11 @@ def mask_words(kinds: Sequence[str], lang: str, sep: str = " & ") -> str:
     if unknown:
         raise KeyError(f"no words for the mask kinds {unknown}; add them to multihead.steps.MASK_KINDS")
     return sep.join(MASK_KINDS[k][LANGS.index(lang)] for k in kinds)
+
+
+def selecting_kinds(parts: Sequence[Any]) -> tuple[str, ...]:
+    """The kinds of the selecting parts among a mask's ``parts`` (:data:`SELECTING`), in order."""
+    return tuple(p.kind for p in parts if p.kind in SELECTING)
 
 
 def check_text(name: str, lang: str) -> str:
@@ -424,7 +438,8 @@ SOFTMAX = StepKind(
     ("Turn each row of scores into weights: all >= 0, each row sums to 1, and -inf gives 0.",
      "Softmax 归一化：每一行分数变成权重，全部非负、每行和为 1，-inf 变成 0。"),
     "softmax",
-    checks=("rows sum to 1", "masked weights are exactly 0", "rows with no visible key are all 0", "equals softmax in float64"),
+    checks=("rows sum to 1", "rows sum to at most 1 (a sink takes the rest)", "masked weights are exactly 0",
+            "rows with no visible key are all 0", "equals softmax in float64"),
 )
 DROPOUT = StepKind(
     "dropout", "dropout", None, _SCORE_AXES,

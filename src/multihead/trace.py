@@ -202,6 +202,16 @@ class Trace:
             self._open = None
         return step
 
+    def enter(self, module: torch.nn.Module) -> None:
+        """Start a call of ``module`` (an attention layer whose steps the backends record, such as a
+        Hugging Face layer running on multihead): the steps until :meth:`leave` carry its path and
+        layer. ``MultiHeadAttention`` does this itself, with its input step."""
+        self._begin(module)
+
+    def leave(self) -> None:
+        """End the call that :meth:`enter` started."""
+        self._open = None
+
     def _begin(self, module: torch.nn.Module) -> None:
         path = self._path(module)
         layer = _layer_of(path)

@@ -84,7 +84,7 @@ def attention_probs(
                 tr.record(
                     _steps.MASK, scores,
                     checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
-                    params={"kinds": tuple(p.kind for p in mask.parts if p.kind != "bias"), "code": repr(mask)},
+                    params={"kinds": _steps.selecting_kinds(mask.parts), "code": repr(mask)},
                     extras={"keep": keep},
                 )
     weights = safe_softmax(scores)

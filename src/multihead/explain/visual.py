@@ -37,11 +37,11 @@ import torch
 from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
-from .example import config_from_args
+from .options import Options
 from .walkthrough import _MAX_COLS, _MAX_ROWS, Walkthrough, _check_text, _num, _pick_indices, step_blocks
 from . import walkthrough as _walkthrough
 from .. import steps
-from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
+from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
@@ -193,7 +193,7 @@ def head_maps_from_trace(
     return [
         HeadMaps(
             weights=weights[b], scores=scores[b], keep=keep[b],
-            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
+            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · b = {b}",
             q=q[b] if q is not None else None, k=k[b] if k is not None else None, scale=scale,
         )
         for b in range(weights.shape[0])
@@ -518,7 +518,7 @@ def render_html(
 
 
 # ---------------------------------------------------------------------------- CLI
-def prepare(args, stdout=None) -> Optional[Path]:
+def prepare(args: Options, stdout=None) -> Optional[Path]:
     """Check ``--out`` (and matplotlib for png) before any work; returns the output path, or None
     for ``--out -`` (stdout).
 
@@ -536,7 +536,7 @@ def prepare(args, stdout=None) -> Optional[Path]:
 
 
 def write(
-    args,
+    args: Options,
     out: Optional[Path],
     trace: Union[Trace, Walkthrough, None],
     maps: Sequence[HeadMaps],
@@ -560,16 +560,16 @@ def write(
         raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
     write_output(data, out, stdout)
     if out is not None:
-        print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+        print(word("wrote", args.lang, path=out, kib=out.stat().st_size // 1024 + 1), file=stdout)
     return 0
 
 
-def run(args, stdout) -> int:
+def run(args: Options, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
     The example is the walkthrough the text formats print (:func:`.walkthrough.explain`): the
     same steps, numbers and checks.
     """
     out = prepare(args, stdout)
-    w = _walkthrough.explain(config_from_args(args))
+    w = _walkthrough.explain(args.example)
     return write(args, out, w, head_maps_from_trace(w.trace), stdout)

@@ -28,7 +28,8 @@ from ..module import MultiHeadAttention
 from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
-from .example import ExampleConfig, build_example, config_from_args, run_example, trace_example
+from .example import ExampleConfig, build_example, run_example, trace_example
+from .options import Options
 from .. import steps as S
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 
@@ -490,19 +491,26 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
 
 
 # ---------------------------------------------------------------------------------- CLI entry
-def run(args, stdout) -> int:
-    """``multihead explain`` for the text, json and markdown formats. Returns the exit code:
-    0 when every check held, 1 when one failed; a bad option raises UsageError (exit 2)."""
-    config = config_from_args(args)
-    out = check_out(args.out)
-    w = explain(config, per_head=args.per_head, cost=args.cost)
-    if args.format == "json":
-        text = render_json(w, lang=args.lang, values=args.values)
-    elif args.format == "markdown":
-        text = render_markdown(w, lang=args.lang, values=args.values)
+def run(options: Options, stdout) -> int:
+    """``multihead explain`` for the text, json and markdown formats of ``options.example``.
+    Returns the exit code: 0 when every check held, 1 when one failed. An ``out`` that cannot
+    be written raises UsageError (a ValueError) before any work."""
+    if not isinstance(options, Options):
+        raise TypeError(f"options must be a multihead.explain.options.Options, got {type(options).__name__} "
+                        "(multihead.cli.parse_options builds one from command-line flags)")
+    if options.format not in ("text", "json", "markdown"):
+        raise ValueError(f"the walkthrough writes text, json or markdown, not {options.format!r}; "
+                         "html and png are multihead.explain.visual.run")
+    out = check_out(options.out)
+    w = explain(options.example, per_head=options.per_head, cost=options.cost)
+    lang, values = options.lang, options.values
+    if options.format == "json":
+        text = render_json(w, lang=lang, values=values)
+    elif options.format == "markdown":
+        text = render_markdown(w, lang=lang, values=values)
     else:
         color = out is None and _wants_color(stdout)
-        text = render_text(w, lang=args.lang, values=args.values, color=color)
+        text = render_text(w, lang=lang, values=values, color=color)
     write_output(text, out, stdout)
     return 0 if w.all_checks_hold else 1
 
