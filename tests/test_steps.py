@@ -88,8 +88,8 @@ PRODUCERS = {
     "dropout": _dropout,
     "rope": _rope,
     "cache-rope": _cache_and_rope,
-    "sdpa": _backend("sdpa"),
-    "chunked": _backend("chunked"),
+    # every registered backend (a new one joins the test by registering)
+    **{f"backend-{name}": _backend(name) for name in multihead.backends.names()},
     "functional": _functional_only,
     "heads-by-hand": _heads_by_hand,
 }
@@ -169,9 +169,9 @@ def test_notes_are_written_from_params_not_recorded_as_text(traces):
     scale = traces["functional"].step("scale")
     assert scale.params == {"scale": 0.3, "head_dim": 4, "default": False}
     assert scale.note == "× 0.3 (given; 1/√D would be 0.5)"
-    fused = traces["chunked"].step(steps.FUSED_ATTENTION)
+    fused = traces["backend-chunked"].step(steps.FUSED_ATTENTION)
     assert fused.params["backend"] == "chunked" and fused.params["lk"] == 5 and fused.params["head_dim"] == 4
-    sdpa = traces["sdpa"].step(steps.FUSED_ATTENTION).params
+    sdpa = traces["backend-sdpa"].step(steps.FUSED_ATTENTION).params
     assert sdpa["backend"] == "sdpa" and sdpa["mask"] in ("is_causal", "tensor") and sdpa["kernel"]
     mask = traces["masks"].step(steps.MASK)
     assert mask.params["kinds"] == ("padding", "window", "keep") and mask.label == "padding & window & keep mask"
