@@ -395,3 +395,37 @@ def test_keep_follows_a_user_mask_and_a_minus_infinity_bias():
     for b, m in enumerate(maps):
         assert torch.equal(m.keep, expected[b].expand(2, 3, 3))
         assert torch.equal(m.weights[~m.keep], torch.zeros(int((~m.keep).sum())))
+
+
+def test_head_maps_check_the_operands_of_the_worked_score():
+    w = torch.rand(4, 3, 5)
+    q, k = torch.rand(4, 3, 2), torch.rand(2, 5, 2)
+    HeadMaps(w, q=q, k=k, scale=0.5)                       # keys per kv head: 2 serve 4 query heads
+    with pytest.raises(ValueError, match="q and k come together"):
+        HeadMaps(w, q=q)
+    with pytest.raises(ValueError, match=r"q must be \(H, Lq, D\) = \(4, 3, D\)"):
+        HeadMaps(w, q=torch.rand(4, 2, 2), k=k)
+    with pytest.raises(ValueError, match=r"k must be \(Hkv, Lk, D\) = \(a divisor of 4, 5, 2\)"):
+        HeadMaps(w, q=q, k=torch.rand(3, 5, 2))
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        HeadMaps(w, q=q, k=k, scale=float("nan"))
+
+
+def test_fragments_are_sections_of_the_page_after_the_heat_maps():
+    w = torch.softmax(torch.rand(2, 3, 3), -1)
+    neuron = visual.Fragment("neuron", {"en": "Neuron view", "zh": "神经元视图"}, "<p id='n'>q · k</p>",
+                             script="document.getElementById('n').dataset.ran = '1';")
+    page = render_html(None, [HeadMaps(w)], fragments=[neuron])
+    assert page.index('<section id="attention">') < page.index('<section id="neuron">')
+    assert '<span data-l="en" lang="en">Neuron view</span><span data-l="zh" lang="zh">神经元视图</span>' in page
+    assert page.index("<script>document.getElementById('n')") > page.index('id="mh-data"')  # after the page's own
+    with pytest.raises(ValueError, match="Fragment id must be"):
+        visual.Fragment("attention", {"en": "a", "zh": "b"}, "")
+    with pytest.raises(ValueError, match="Fragment title must map each of"):
+        visual.Fragment("x", {"en": "a"}, "")
+    with pytest.raises(ValueError, match="must not contain '</script'"):
+        visual.Fragment("x", {"en": "a", "zh": "b"}, "", script="'</script>'")
+    with pytest.raises(ValueError, match="distinct ids"):
+        render_html(None, [HeadMaps(w)], fragments=[neuron, neuron])
+    with pytest.raises(TypeError, match="visual.Fragment"):
+        render_html(None, [HeadMaps(w)], fragments=["<p>"])

@@ -117,6 +117,7 @@ CHECKS: dict[str, str] = {
     "equals merged × W_Oᵀ in float64": "等于 float64 计算的 拼接结果 × W_Oᵀ",
     "output equals the tutorial's plain code in float64": "输出与教程的朴素代码（float64）一致",
     "per-head reference equals the fused module": "逐头参考实现与融合实现一致",
+    "the fused backend's output equals the reference backend's within tolerance": "融合后端的输出与 reference 后端的输出在容差内一致",
 }
 
 #: how :func:`multihead.explain.cost.trace_cost` counts each kind (n: the output's elements,
@@ -485,7 +486,8 @@ OUTPUT_PROJECTION = StepKind(
      "输出投影：W_O（{d_out} → {d_out}）把各头得到的信息融合成每个 token 的一个向量。"),
     "linear",
     checks=("equals merged × W_Oᵀ in float64", "output equals the tutorial's plain code in float64",
-            "per-head reference equals the fused module"),
+            "per-head reference equals the fused module",
+            "the fused backend's output equals the reference backend's within tolerance"),
     note=("W_O mixes the heads", "W_O 融合各头的结果"), params=("f_in", "bias"),
 )
 

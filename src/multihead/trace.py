@@ -329,6 +329,13 @@ class Trace:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def _repr_html_(self) -> str:
+        """Jupyter's inline display: the walkthrough page of this trace in an isolated iframe
+        (:mod:`multihead.explain.notebook`, imported only when a notebook asks)."""
+        from .explain.notebook import trace_html
+
+        return trace_html(self)
+
     # -- context manager
     def __enter__(self) -> "Trace":
         stack = getattr(_state, "stack", None)

@@ -90,6 +90,14 @@ _WORDS = {
         "mha.to_per_head(): {H} separate heads, each its own W_q, W_k, W_v, concatenated, then W_O",
         "mha.to_per_head()：{H} 个独立的头，各有自己的 W_q、W_k、W_v，拼接后乘 W_O",
     ),
+    "reopened": (
+        "The {backend} backend ran this call as one fused step, with no scores or weights to show: the steps "
+        "below are the same inputs run again on the reference backend. max |{backend} - reference| = {diff}; "
+        "the {backend} output is {err} from a float64 run, within the tolerance {tol}.",
+        "{backend} 后端把这次调用作为一个融合步骤运行，没有可展示的分数和权重：下面的步骤是同样的输入在 reference "
+        "后端上重新运行的结果。max |{backend} − reference| = {diff}；{backend} 的输出与 float64 的结果相差 {err}，"
+        "在容差 {tol} 之内。",
+    ),
     "per_head_eval": ("(both run in eval mode, without dropout)", "（两者都在 eval 模式下运行，无 dropout）"),
     "max_diff": ("max |fused - per-head| = {diff:.3g}  (tolerance {tol:.3g})",
                  "max |融合 - 逐头| = {diff:.3g}（容差 {tol:.3g}）"),
@@ -165,6 +173,19 @@ _WORDS = {
     "page.short_scores": ("score", "分数"),
     "page.short_mask": ("mask", "掩码"),
     "page.short_weights": ("weight", "权重"),
+    "page.worked": ("One score worked out by hand", "手算一个分数"),
+    "page.worked_hint": ("Hover over (or tap) a cell of the scores: its q · k is summed here term by term, then scaled.",
+                         "将鼠标悬停（或轻点）在分数格子上：这里逐项累加它的 q · k，再乘以缩放因子。"),
+    "page.worked_sum": ("sum of the {D} products", "{D} 个乘积之和"),
+    "page.worked_scaled": ("scaled", "缩放后"),
+    "page.model_view": ("Every layer and head", "所有层与所有头"),
+    "page.model_view_intro": (
+        "One thumbnail per head (columns) of every layer (rows), as in bertviz's model view: click one to show it "
+        "in the heat maps above.",
+        "每层（行）的每个头（列）一个缩略图，类似 bertviz 的 model view：点击一个即可在上方热力图中查看。",
+    ),
+    "page.nav_model_view": ("Layers × heads", "层 × 头"),
+    "page.reopened": ("Where these steps come from", "这些步骤从何而来"),
     # the model report's phrases (multihead.explain.real_model)
     "model.no_label": ("no clear pattern", "无明显模式"),
     "model.missing": (
