@@ -203,6 +203,10 @@ def test_neuron_page_is_written_for_format_html(dirs, tmp_path):
                        "--format", "html", "--out", str(path))
     assert (rc, err) == (0, "") and str(path) in out
     page = path.read_text(encoding="utf-8")
-    assert page.startswith("<!DOCTYPE html>") and '<div class="mh-neuron"' in page and html.escape("query token 3 'on'") in page
+    assert page.startswith("<!DOCTYPE html>") and html.escape("query token 3 'on'") in page
+    # a section of the model's page, in both languages (the page's switch shows one)
+    assert '<section id="neuron">' in page and page.count('<div class="mh-neuron"') == 2
+    assert '<div data-l="zh" lang="zh"><div class="mh-neuron" lang="zh">' in page and "神经元视图" in page
+    assert 'id="attention"' in page
     rc, _, err = cli("--model", dirs["llama"], "--neuron", "--format", "png", "--out", str(tmp_path / "x.png"))
     assert rc == 2 and "drop --neuron" in err

@@ -246,6 +246,7 @@ _WORDS = {
     'model.walk.no_output': ("(the output projection was not recorded for this model's layout)",
         '（此模型的结构未记录输出投影）'),
     # the neuron view (multihead.explain.neuron)
+    'neuron.section': ('Neuron view: one query, term by term', '神经元视图：一个查询，逐项展开'),
     'neuron.title': ('Neuron view: {model}, layer {layer}, head {head}, query token {token} {tok!r}',
         '神经元视图：{model}，第 {layer} 层，第 {head} 个头，查询 token {token} {tok!r}'),
     'neuron.gqa': ('head {head} reads key/value head {kv}, which query heads {group} share (grouped-query attention)',

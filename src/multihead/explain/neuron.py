@@ -29,7 +29,8 @@ import torch
 from .i18n import word
 from .models import RealRun
 
-__all__ = ["Rotary", "NeuronView", "neuron_view", "render_text", "neuron_html", "neuron_page", "SHOWN_DIMS"]
+__all__ = ["Rotary", "NeuronView", "neuron_view", "render_text", "neuron_html", "neuron_fragment", "neuron_page",
+           "SHOWN_DIMS"]
 
 #: head dims written out per vector in the text view (the rest are summed as one term)
 SHOWN_DIMS = 6
@@ -270,6 +271,15 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
     return (f'<div class="mh-neuron" lang="{lang}"><style>{_CSS}</style><h3>{escape(title)}</h3>'
             f"<p>{escape(_group_line(view, lang))}. {escape(_w('html_intro', lang))}</p>{rotary}"
             f"<table>{head}{''.join(rows)}</table></div>")
+
+
+def neuron_fragment(view: NeuronView) -> Any:
+    """The view as a section of the explain page (a :class:`multihead.explain.visual.Fragment`),
+    in both languages: the page's language switch shows one."""
+    from .visual import Fragment
+
+    body = "".join(f'<div data-l="{lg}" lang="{lg}">{neuron_html(view, lg)}</div>' for lg in ("en", "zh"))
+    return Fragment("neuron", {lg: _w("section", lg) for lg in ("en", "zh")}, body)
 
 
 def neuron_page(view: NeuronView, lang: str = "en") -> str:

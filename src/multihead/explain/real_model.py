@@ -450,8 +450,8 @@ def run_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default
-    :func:`default_layer`) and ``--head`` (default 0); with ``--neuron``, the neuron view's page
-    instead. png: the heads of that layer in a grid; ``--head`` is refused there, since the grid
+    :func:`default_layer`) and ``--head`` (default 0); with ``--neuron``, the neuron view of
+    ``--layer``/``--head`` (default 0) and ``--token`` (default the last) as a section of it. png: the heads of that layer in a grid; ``--head`` is refused there, since the grid
     shows every head.
     """
     from . import visual
@@ -465,18 +465,16 @@ def run_visual(args, stdout) -> int:
         raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
                          "drop --format or add --neuron")
     real = _real(args)
+    fragments = []
     if neuron:
-        from .neuron import neuron_page, neuron_view
+        from .neuron import neuron_fragment, neuron_view
 
         view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
-        write_output(neuron_page(view, args.lang), out, stdout)
-        if out is not None:
-            print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
-        return 0
+        fragments.append(neuron_fragment(view))
     weights = real.weights
     keep = None if not real.causal else real.keep
     maps = layer_maps(real.tokens, weights, model=args.model, text=real.text, lang=args.lang, keep=keep,
                       title=real.info.title)
     layer = default_layer(label_heads(pattern_scores(weights, keep))) if args.layer is None else args.layer
     head = 0 if args.head is None else args.head
-    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head)
+    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)
