@@ -296,6 +296,7 @@ KINDS = {
     "docs_cross": lambda: masks.documents(torch.tensor([0] * 12 + [1] * 18), torch.tensor([0] * 20 + [1] * 10)) & masks.window(6),
     "mask_mod": lambda: masks.mask_mod(lambda b, h, q, kv: ((q // 4 + kv // 5 + h) % 3 == 0) | (b == 1)),
     "padding": lambda: masks.key_padding(torch.arange(30).view(1, 30).expand(2, 30) < torch.tensor([[25], [12]])),
+    "torch_3d": lambda: masks.from_torch(attn_mask=torch.rand(6, 30, 30, generator=torch.Generator().manual_seed(1)) < 0.5),
     "alibi_keep": lambda: masks.alibi(masks.alibi_slopes(3)) & masks.keep(torch.rand(30, 30, generator=torch.Generator().manual_seed(0)) < 0.7),
 }
 
@@ -329,7 +330,7 @@ def test_tiles_agree_with_the_dense_mask(kind, bq, bk):
                 assert not want.any()
             elif state == "full":
                 assert want.all()
-            if kind in ("causal", "window", "chunked", "documents", "docs_cross", "padding") or (bq, bk) == (8, 8):
+            if kind in ("causal", "window", "chunked", "documents", "docs_cross", "padding", "torch_3d") or (bq, bk) == (8, 8):
                 assert state == ("empty" if not want.any() else "full" if want.all() else "partial"), (q0, k0)
 
 
