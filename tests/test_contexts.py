@@ -78,6 +78,12 @@ def _case(kind: str, dtype=torch.float32) -> Case:
         parts = [MaskPart("key_padding", tensor=pad), MaskPart("bias", tensor=_values(gen, (B, H, Lq, Lk)) * 3 - 90)]
     elif kind == "window":
         parts = [MaskPart("window", left=5, right=0)]
+    elif kind == "packed":  # documents of different lengths per row (keys longer: a decode over packed caches)
+        q_ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [3] * 30 + [-1] * 7])
+        kv_ids = torch.tensor([[0] * 12 + [1] * 22 + [2] * 7, [3] * 34 + [-1] * 7])
+        parts = [MaskPart("documents", ids=(q_ids, kv_ids)), MaskPart("causal")]
+    elif kind == "chunked_sinks":  # Llama 4's chunks, and a window keeping 3 sink tokens
+        parts = [MaskPart("causal"), MaskPart("chunked_local", chunk=12), MaskPart("window", left=6, sinks=3)]
     else:
         raise AssertionError(kind)
     q = _values(gen, (B, H, Lq, D), dtype)
@@ -87,7 +93,7 @@ def _case(kind: str, dtype=torch.float32) -> Case:
     return Case(B, H, Hkv, Lq, Lk, D, Dv, dtype, False, None, q, k, v, grad_out, parts)
 
 
-MASK_KINDS = ("none", "causal_cross", "padding_bias", "window")
+MASK_KINDS = ("none", "causal_cross", "padding_bias", "window", "packed", "chunked_sinks")
 
 
 @functools.lru_cache(maxsize=None)

@@ -397,3 +397,29 @@ def test_reprs_say_what_each_kind_is():
                  "sink(H=2, learned)", "score_mod(rel, tensors=[(2, 3)])", "mask_mod(_diagonal_band)",
                  "chunked_local(8", "sinks=2"):
         assert part in text, part
+
+
+# ---------------------------------------------------------------------- contexts
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "threads_1", "threads_8"])
+def test_score_kinds_in_every_context(context):
+    """softcap, a sink and a score_mod with a captured table give the float64 definition under
+    no_grad, inference_mode and 1 or 8 threads (the score mods run in the call's own context)."""
+    from oracle import torch_threads
+
+    make = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+            "threads_1": lambda: torch_threads(1), "threads_8": lambda: torch_threads(8)}[context]
+    table = torch.randn(4, 16, dtype=torch.float64)
+    logits = torch.randn(4, dtype=torch.float64)
+
+    def rel(s, b, h, q, kv):
+        return s + table[h, q - kv + 8]
+
+    def both(s, b, h, q, kv):
+        return 1.5 * torch.tanh(rel(s, b, h, q, kv) / 1.5)
+
+    m = masks.score_mod(rel) & masks.softcap(1.5) & masks.sink(logits) & masks.causal()
+    q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=7, D=8)
+    want = attention64_mods(q, k, v, keep=causal_keep(7, 7), score_fn=both, sink=logits)[0]
+    with make():
+        out = multihead.attention(q, k, v, mask=m)
+    assert (out - want).abs().max() <= 1e-12
