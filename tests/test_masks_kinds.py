@@ -381,7 +381,9 @@ def test_mask_mod_plans_itself_once_per_shape():
     n = len(calls)
     assert m.tile_state(128, 256, 0, 128, shape) == "full"
     assert len(calls) == n
-    assert m.key_span(0, 100, 300, 300) == (0, 128)  # from the plan's blocks
+    assert m.key_span(0, 100, 300, 300) == (0, 300)  # its own plans may be for other (B, H)
+    planned = m.with_plan(masks.block_plan(m, shape))
+    assert planned.key_span(0, 100, 300, 300) == (0, 128)  # a given plan narrows the span
 
 
 def test_reprs_say_what_each_kind_is():
