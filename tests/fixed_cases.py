@@ -13,8 +13,10 @@ from oracle import MaskPart
 from test_properties import Case, _values
 
 #: the mask families: none, causal cross-attention (Lq < Lk), key padding with a large
-#: negative bias, a sliding window with keys on both sides
-MASK_KINDS = ("none", "causal_cross", "padding_bias", "window")
+#: negative bias, a sliding window with keys on both sides, packed documents (per-row layouts,
+#: longer keys: a decode over packed caches, padding ids), Llama 4's chunks with a window that
+#: keeps 3 sink tokens
+MASK_KINDS = ("none", "causal_cross", "padding_bias", "window", "packed", "chunked_sinks")
 
 
 def fixed_case(kind: str, dtype: torch.dtype = torch.float32) -> Case:
@@ -31,6 +33,12 @@ def fixed_case(kind: str, dtype: torch.dtype = torch.float32) -> Case:
         parts = [MaskPart("key_padding", tensor=real), MaskPart("bias", tensor=_values(gen, (B, H, Lq, Lk)) * 3 - 90)]
     elif kind == "window":
         parts = [MaskPart("window", left=5, right=2)]
+    elif kind == "packed":
+        q_ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [3] * 30 + [-1] * 7])
+        kv_ids = torch.tensor([[0] * 12 + [1] * 22 + [2] * 7, [3] * 34 + [-1] * 7])
+        parts = [MaskPart("documents", ids=(q_ids, kv_ids)), MaskPart("causal")]
+    elif kind == "chunked_sinks":
+        parts = [MaskPart("causal"), MaskPart("chunked_local", chunk=12), MaskPart("window", left=6, sinks=3)]
     else:
         raise AssertionError(kind)
     q = _values(gen, (B, H, Lq, D), dtype)

@@ -79,6 +79,7 @@ def _cpu(out: torch.Tensor, grads: dict) -> tuple:
 def _case_on(case: Case, device: str) -> Case:
     """The same call with every tensor on ``device``."""
     parts = [p if p.tensor is None else replace(p, tensor=p.tensor.to(device)) for p in case.parts]
+    parts = [p if p.ids is None else replace(p, ids=tuple(t.to(device) for t in p.ids)) for p in parts]
     return replace(case, q=case.q.to(device), k=case.k.to(device), v=case.v.to(device),
                    grad_out=case.grad_out.to(device), parts=parts)
 
