@@ -26,8 +26,9 @@ transformers with its attention computed by :func:`multihead.attention` (an entr
 ``transformers.AttentionInterface``, :mod:`multihead.integrations.transformers`), wrapped so that
 each call is recorded: the q, k, v the layer passed (after its rotary embedding, if any), the mask
 it let through, the scale, the scores q kᵀ and the weights multihead computed. A model whose
-attention layers do not call the interface, or call it with what multihead does not implement
-(softcap, sinks), is refused (:class:`ModelError`).
+attention layers do not call the interface, or call it with something
+:func:`~multihead.integrations.transformers.attention_forward` refuses, is refused
+(:class:`ModelError`).
 
 Shapes (one sentence, batch 1 dropped): L tokens, H query heads, Hkv key/value heads, D head dim,
 d the hidden size.
@@ -409,7 +410,7 @@ class RealModel:
         try:
             with torch.no_grad():
                 self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-        except ValueError as e:  # attention_forward refuses what multihead does not implement (softcap, sinks)
+        except ValueError as e:  # what attention_forward refuses
             raise ModelError(f"--model {self.name}: its attention cannot run through multihead: "
                              f"{str(e).splitlines()[0]}") from None
         finally:
