@@ -69,12 +69,17 @@ from .reference import compute_dtype
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["run", "translate", "Translation", "to_block_mask", "BLOCK_SIZE", "AUTO_CPU", "CPU_DTYPES"]
+__all__ = ["run", "translate", "Translation", "to_block_mask", "tile_states", "BLOCK_SIZE", "COMPILE", "AUTO_CPU",
+           "CPU_DTYPES"]
 
 #: the tile side of the block masks built here (FlexAttention's default)
 BLOCK_SIZE = 128
 #: whether ``auto`` may pick flex on the CPU (benchmarks/bench_flex.py: it never won here)
 AUTO_CPU = False
+#: False: outside a torch.compile region, run torch's unfused FlexAttention instead of compiling
+#: (see :func:`run`; for checking translations where a compile per new shape costs too much,
+#: as in the test suite: tests/conftest.py sets it)
+COMPILE = True
 #: the dtypes torch's compiled CPU FlexAttention accepts
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -329,15 +334,17 @@ def to_block_mask(mask: Optional[Mask], B: int, H: int, Lq: int, Lk: int, *, dev
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float,
-        compiled: bool = True, return_lse: bool = False) -> Any:
+        compiled: Optional[bool] = None, return_lse: bool = False) -> Any:
     """flex_attention on q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) with ``mask``
     translated; (B, H, Lq, Dv), and with ``return_lse`` also the log-sum-exp (B, H, Lq) float32
     (-inf for a row with no visible key).
 
     ``compiled=False`` runs torch's unfused FlexAttention (scores materialised; float64 and the
-    log-sum-exp work on the CPU): for checking a translation, not for speed. Inside a
-    ``torch.compile`` region flex_attention is called as is either way.
+    log-sum-exp work on the CPU): for checking a translation, not for speed; None: :data:`COMPILE`.
+    Inside a ``torch.compile`` region flex_attention is called as is either way.
     """
+    if compiled is None:
+        compiled = COMPILE
     B, H, lq, _ = q.shape
     lk = k.shape[2]
     if lq == 0 or lk == 0:  # nothing to attend: out (and lse) of a row with no key
@@ -407,10 +414,11 @@ def _refuses(call: Call) -> Optional[str]:
     if device == "cpu":
         if _grad_needed(call):
             return _TRAINING_ON_CPU
-        if q.dtype not in CPU_DTYPES:
+        compiled = COMPILE or call.under_compile
+        if compiled and q.dtype not in CPU_DTYPES:
             return (f"torch's compiled flex_attention on the CPU takes float32, float16 or bfloat16, "
                     f"not {q.dtype}; use 'chunked' or 'reference'")
-        if not torch.cpu._is_avx2_supported():
+        if compiled and not torch.cpu._is_avx2_supported():
             return "torch's compiled flex_attention on the CPU needs AVX2, which this CPU lacks"
     if device == "cuda" and min(q.shape[-1], v.shape[-1]) < 16:
         return (f"torch's flex_attention kernels on CUDA need head dims >= 16, got D={q.shape[-1]}, "
