@@ -62,7 +62,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from .. import trace as _trace
-from ..masks import Causal, KeyPadding, Mask, Window, _tile, diagonal_offset
+from .._checks import check_positive_int
+from ..masks import Causal, KeyPadding, Mask, MaskLike, Window, _tile, as_mask, diagonal_offset
 from . import Backend, Call, register
 from .reference import compute_dtype
 
@@ -304,7 +305,7 @@ def _indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             order.to(torch.int32)[None, None])
 
 
-def to_block_mask(mask: Optional[Mask], B: int, H: int, Lq: int, Lk: int, *, device: torch.device,
+def to_block_mask(mask: MaskLike, B: int, H: int, Lq: int, Lk: int, *, device: torch.device,
                   block_size: int = BLOCK_SIZE, mask_mod: Optional[MaskMod] = None) -> "BlockMask":
     """torch's ``BlockMask`` for ``mask`` over (B, H, Lq, Lk), from the mask's own tile states.
 
@@ -319,6 +320,12 @@ def to_block_mask(mask: Optional[Mask], B: int, H: int, Lq: int, Lk: int, *, dev
     >>> bm.to_dense()[0, 0].int().tolist()          # 2 x 2 tiles of 128: the upper one is skipped
     [[1, 0], [1, 1]]
     """
+    B, H, Lq, Lk = (check_positive_int(n, name) for n, name in ((B, "B"), (H, "H"), (Lq, "Lq"), (Lk, "Lk")))
+    block_size = check_positive_int(block_size, "block_size")
+    m = as_mask(mask, name="to_block_mask's mask")
+    if m is not None:
+        m.check((B, H, Lq, Lk), torch.device(device))
+    mask = m
     if mask_mod is None:
         mask_mod = translate(mask, (B, H, Lq, Lk), device=device, dtype=torch.float32).mask_mod
     empty, full = tile_states(mask, (B, H, Lq, Lk), device=device, block_size=block_size)
