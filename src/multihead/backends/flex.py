@@ -62,15 +62,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from .. import trace as _trace
+from .. import masks as _masks
 from .._checks import check_positive_int
-from ..masks import Causal, KeyPadding, Mask, MaskLike, Window, _tile, as_mask, diagonal_offset
+from ..masks import Mask, MaskLike, _tile, as_mask
 from . import Backend, Call, register
 from .reference import compute_dtype
 
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["run", "translate", "Translation", "to_block_mask", "tile_states", "BLOCK_SIZE", "COMPILE", "AUTO_CPU",
+__all__ = ["run", "translate", "Translation", "to_block_mask", "from_block_mask", "tile_states", "BLOCK_SIZE", "COMPILE", "AUTO_CPU",
            "CPU_DTYPES"]
 
 #: the tile side of the block masks built here (FlexAttention's default)
@@ -114,12 +115,13 @@ class Translation:
     """FlexAttention's functions for one mask at one shape.
 
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (None: every key visible), ``score_mod(score, b, h,
-    q_idx, kv_idx) -> score`` (None: the scaled score as is), and the kinds of the parts each came
-    from (``parts``: ``"causal -> mask_mod"``, ...), for explain_dispatch.
+    q_idx, kv_idx) -> score`` (None: the scaled score as is), ``sink`` the (H,) sink logits or
+    None, and what each part became (``parts``: ``"causal -> mask_mod"``, ...), for explain_dispatch.
     """
 
     mask_mod: Optional[MaskMod]
     score_mod: Optional[ScoreMod]
+    sink: Optional[torch.Tensor]
     parts: tuple[str, ...]
 
 
@@ -138,27 +140,21 @@ def _lookup(t: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tens
     return at
 
 
-def _causal_mod(offset: int) -> MaskMod:
-    def causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return kv <= q + offset
-    return causal
+def _intervals_mod(ivs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> MaskMod:
+    """Key kv is visible from row (b, q) when lo[b, q] <= kv < hi[b, q] for one of the intervals
+    (the per-row intervals of the structural parts: causal, window, documents, chunked_local)."""
+    bounds = tuple((lo, hi, lo.shape[0] > 1) for lo, hi in ivs)
 
+    def intervals(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        seen = None
+        for lo, hi, per_batch in bounds:
+            row = b if per_batch else 0
+            inside = (kv >= lo[row, q]) & (kv < hi[row, q])
+            seen = inside if seen is None else seen | inside
+        assert seen is not None
+        return seen
 
-def _window_mod(offset: int, left: Optional[int], right: Optional[int]) -> MaskMod:
-    def window(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        ok = kv == kv
-        if left is not None:
-            ok = ok & (kv >= q + offset - left)
-        if right is not None:
-            ok = ok & (kv <= q + offset + right)
-        return ok
-    return window
-
-
-def _padding_mod(real: torch.Tensor) -> MaskMod:
-    def padding(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return real[b, kv]
-    return padding
+    return intervals
 
 
 def _keep_mod(keep: torch.Tensor) -> MaskMod:
@@ -188,6 +184,16 @@ def _add_bias(bias: torch.Tensor) -> ScoreMod:
     return add_bias
 
 
+def _alibi(slopes: torch.Tensor, diagonal: torch.Tensor) -> ScoreMod:
+    """s - slope[h] |kv - d[b, q]|, d the row's diagonal key (per document; masks.ALiBi)."""
+    per_batch = diagonal.shape[0] > 1
+
+    def alibi(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        d = diagonal[b if per_batch else 0, q]
+        return s - slopes[h] * (kv - d).abs().to(s.dtype)
+    return alibi
+
+
 def _chain(mods: Sequence[ScoreMod]) -> ScoreMod:
     mods = tuple(mods)
 
@@ -198,11 +204,35 @@ def _chain(mods: Sequence[ScoreMod]) -> ScoreMod:
     return chain
 
 
+def _with_sink_key(mask_mod: Optional[MaskMod], score_mod: Optional[ScoreMod], sink: torch.Tensor,
+                   lk: int) -> tuple[MaskMod, ScoreMod]:
+    """The functions over Lk + 1 keys, key Lk being the sink: visible from every row, its score
+    ``sink[h]``, so that the softmax's denominator gains exp(sink[h]) (its value is 0). The
+    other functions see key indices clamped to Lk - 1 (their tensors are never read past the end)."""
+    last = lk - 1
+
+    def sink_mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        is_sink = kv == lk
+        if mask_mod is None:
+            return is_sink | (kv < lk)
+        return is_sink | mask_mod(b, h, q, kv.clamp(max=last))
+
+    def sink_score(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        if score_mod is not None:
+            s = score_mod(s, b, h, q, kv.clamp(max=last))
+        return torch.where(kv == lk, sink[h].to(s.dtype), s)
+
+    return sink_mask, sink_score
+
+
 def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype: torch.dtype) -> Translation:
     """FlexAttention's ``mask_mod`` and ``score_mod`` for ``mask`` at ``shape`` = (B, H, Lq, Lk).
 
-    ``dtype`` is the compute dtype a bias is added in (float32 for half inputs). Tensors are
-    captured as views, not copied; causal and window become index arithmetic.
+    ``dtype`` is the compute dtype a bias is added in (float32 for half inputs). The structural
+    parts (causal, window with its sink tokens, documents, chunked_local) become one lookup of
+    the key intervals each row may see ((B|1, Lq) tensors, from `multihead.masks`' own rule);
+    tensors are captured as views, not copied; a mask_mod or score_mod function is passed on as
+    it is (FlexAttention's signatures are ours).
 
     >>> import torch
     >>> from multihead import masks
@@ -213,105 +243,172 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
     [[1, 1, 0], [1, 1, 1]]
     """
     if mask is None:
-        return Translation(None, None, ())
-    _, _, lq, lk = (int(n) for n in shape)
+        return Translation(None, None, None, ())
+    shape = tuple(int(n) for n in shape)
+    _, _, lq, lk = shape
+    parts = mask.parts
+    rows = _masks._Rows(_masks._documents_of(parts), 0, lq, lq, lk)
     selects: list[MaskMod] = []
     adds: list[ScoreMod] = []
     described: list[str] = []
-    for part in mask.parts:
-        if isinstance(part, Causal):
-            selects.append(_causal_mod(diagonal_offset(part.align, lq, lk)))
-            described.append("causal -> mask_mod")
-        elif isinstance(part, Window):
-            selects.append(_window_mod(diagonal_offset(part.align, lq, lk), part.left, part.right))
-            described.append("window -> mask_mod")
-        elif isinstance(part, KeyPadding):
-            selects.append(_padding_mod(part.tensor))
-            described.append("padding -> mask_mod (a (B, Lk) lookup)")
-        else:  # a tensor part (keep, bias, nn.MultiheadAttention's 3-D mask): look its tensors up
-            keep_t, bias_t = part._build(tuple(shape), device=device, dtype=dtype)
+    ivs = _masks._intervals(parts, rows)
+    if ivs is not None:
+        selects.append(_intervals_mod([(lo.to(device), hi.to(device)) for lo, hi in ivs]))
+        kinds = " & ".join(p.kind for p in parts if p.is_structural)
+        described.append(f"{kinds} -> mask_mod (the key intervals of each row, {len(ivs)} per row)")
+    for part in parts:
+        if part.is_structural or part.is_score_mod or part.kind == "sink":
+            continue
+        if isinstance(part, _masks.MaskMod):
+            selects.append(part.fn)
+            described.append(f"{part!r} -> mask_mod (the function itself)")
+        elif isinstance(part, _masks.ALiBi):
+            diagonal = rows.diagonal(part.align).to(device)
+            adds.append(_alibi(part.slopes.to(device=device, dtype=dtype), diagonal))
+            described.append("alibi -> score_mod (slope x distance to the diagonal)")
+        else:  # a tensor part (keep, key_padding, bias, nn.MultiheadAttention's 3-D mask): look it up
+            keep_t, bias_t = part._build(shape, device=device, dtype=dtype, rows=rows)
             if keep_t is not None:
                 selects.append(_keep_mod(keep_t))
                 described.append(f"{part.kind} -> mask_mod (a lookup of its {tuple(keep_t.shape)} tensor)")
             if bias_t is not None:
                 adds.append(_add_bias(bias_t.to(dtype)))
                 described.append(f"{part.kind} -> score_mod (adds its {tuple(bias_t.shape)} tensor)")
+    for part in mask.score_mods:
+        adds.append(part.fn)  # type: ignore[attr-defined]  # every score-mod part is a masks.ScoreMod
+        described.append(f"{part!r} -> score_mod")
+    sink = mask.sink_logits
+    if sink is not None:
+        described.append("sink -> one more key, visible from every row, scored sink[h], value 0")
     mask_mod = None if not selects else selects[0] if len(selects) == 1 else _all_of(selects)
     score_mod = None if not adds else adds[0] if len(adds) == 1 else _chain(adds)
-    return Translation(mask_mod, score_mod, tuple(described))
+    return Translation(mask_mod, score_mod, None if sink is None else sink.to(device), tuple(described))
 
 
 # -- block masks
 
 
-def _part_states(part: Mask, q0: torch.Tensor, q1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor,
-                 shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(empty, full): bool (nq, nk) grids of which tiles ``part`` hides entirely or shows entirely,
-    for tiles with first query q0 (nq, 1), past-the-end query q1, and keys k0 .. k1-1 (1, nk)."""
-    lq, lk = shape[-2:]
-    if isinstance(part, Causal):
-        off = diagonal_offset(part.align, lq, lk)
-        return k0 > q1 - 1 + off, k1 - 1 <= q0 + off
-    if isinstance(part, Window):
-        off = diagonal_offset(part.align, lq, lk)
-        empty = torch.zeros(q0.shape[0], k0.shape[1], dtype=torch.bool)
-        full = torch.ones_like(empty)
-        if part.left is not None:
-            empty = empty | (k1 - 1 < q0 + off - part.left)
-            full = full & (k0 >= q1 - 1 + off - part.left)
-        if part.right is not None:
-            empty = empty | (k0 > q1 - 1 + off + part.right)
-            full = full & (k1 - 1 <= q0 + off + part.right)
-        return empty, full
-    empty = torch.zeros(q0.shape[0], k0.shape[1], dtype=torch.bool)
-    full = torch.ones_like(empty)
+def _structural_states(mask: Mask, shape: tuple[int, int, int, int], block_size: int,
+                       nq: int, nk: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(empty, full) (nq, nk) of the structural parts, from each row's key intervals, or None."""
+    _, _, lq, lk = shape
+    parts = mask.parts
+    rows = _masks._Rows(_masks._documents_of(parts), 0, lq, lq, lk)
+    ivs = _masks._intervals(parts, rows)
+    if ivs is None:
+        return None
+    k0 = torch.arange(nk) * block_size
+    k1 = (k0 + block_size).clamp(max=lk)
+    seen: Optional[torch.Tensor] = None
+    covered: Optional[torch.Tensor] = None
+    for lo, hi in ivs:  # (B|1, Lq) -> (B|1, Lq, nk)
+        lo, hi = lo.cpu().unsqueeze(-1), hi.cpu().unsqueeze(-1)
+        s = torch.minimum(hi, k1) > torch.maximum(lo, k0)
+        c = (lo <= k0) & (hi >= k1)
+        seen = s if seen is None else seen | s
+        covered = c if covered is None else covered | c
+    assert seen is not None and covered is not None
+    pad = nq * block_size - lq  # rows past Lq: they see nothing and need nothing
+    seen = torch.nn.functional.pad(seen, (0, 0, 0, pad), value=False)
+    covered = torch.nn.functional.pad(covered, (0, 0, 0, pad), value=True)
+    seen = seen.view(seen.shape[0], nq, block_size, nk).any(dim=2).any(dim=0)
+    covered = covered.view(covered.shape[0], nq, block_size, nk).all(dim=2).all(dim=0)
+    return ~seen, covered
+
+
+def _tile_code(part: Mask, q0: int, q1: int, k0: int, k1: int, shape: tuple[int, int, int, int],
+               device: torch.device) -> int:
+    """0 empty, 1 partial, 2 full: a non-structural selecting part's state on one tile."""
+    if isinstance(part, _masks.MaskMod):  # from the function's own block plan (made once per shape)
+        return part._tile_state(q0, q1, k0, k1, shape, device)
     keep_t, _ = part._build(shape, device=device, dtype=torch.float32)
     if keep_t is None:  # an additive part: it hides nothing
-        return empty, full
-    # per tile: does any (b, h, q, kv) of it see a key, do all of them
-    for i in range(q0.shape[0]):
-        for j in range(k0.shape[1]):
-            tile = _tile(keep_t, int(q0[i, 0]), int(q1[i, 0]), int(k0[0, j]), int(k1[0, j]))
-            empty[i, j] = not bool(tile.any())
-            full[i, j] = bool(tile.all())
-    return empty, full
+        return 2
+    return _masks._state_of(_tile(keep_t, q0, q1, k0, k1))
 
 
 def tile_states(mask: Optional[Mask], shape: Shape, *, device: torch.device,
                 block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """(empty, full): bool (nq, nk) grids over the tiles of ``block_size`` queries x keys of
     ``shape`` = (B, H, Lq, Lk); a tile in neither is partial (its mask_mod must be evaluated).
-    A tile is empty or full only if it is so for every batch row and head."""
-    lq, lk = int(shape[-2]), int(shape[-1])
+    A tile is empty or full only if it is so for every batch row and head (as `Mask.tile_state`
+    says; the structural parts are read for all tiles at once from their per-row intervals)."""
+    full_shape = (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
+    lq, lk = full_shape[2:]
     nq, nk = math.ceil(lq / block_size), math.ceil(lk / block_size)
-    q0 = torch.arange(nq).view(nq, 1) * block_size
-    k0 = torch.arange(nk).view(1, nk) * block_size
-    q1, k1 = (q0 + block_size).clamp(max=lq), (k0 + block_size).clamp(max=lk)
     empty = torch.zeros(nq, nk, dtype=torch.bool)
     full = torch.ones(nq, nk, dtype=torch.bool)
-    if mask is not None:
-        for part in mask.parts:
-            e, f = _part_states(part, q0, q1, k0, k1, tuple(int(n) for n in shape), device)
-            empty, full = empty | e, full & f
+    if mask is None:
+        return empty, full
+    structural = _structural_states(mask, full_shape, block_size, nq, nk)
+    if structural is not None:
+        empty, full = structural
+    others = [p for p in mask.parts if not (p.is_structural or p.is_score_mod or p.kind in ("sink", "alibi", "bias"))]
+    for i in range(nq):
+        for j in range(nk):
+            if empty[i, j]:
+                continue
+            q0, q1, k0, k1 = i * block_size, min(lq, (i + 1) * block_size), j * block_size, min(lk, (j + 1) * block_size)
+            for part in others:
+                code = _tile_code(part, q0, q1, k0, k1, full_shape, device)
+                if code == 0:
+                    empty[i, j] = True
+                    break
+                if code == 1:
+                    full[i, j] = False
     return empty, full & ~empty
 
 
 def _indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_blocks (1, 1, nq), indices (1, 1, nq, nk)) int32, the chosen key blocks of each
-    query block first, in key order."""
-    nk = chosen.shape[1]
-    order = torch.where(chosen, torch.arange(nk), nk + torch.arange(nk)).argsort(dim=1)
-    return (chosen.sum(dim=1, dtype=torch.int32)[None, None],
-            order.to(torch.int32)[None, None])
+    """(num_blocks (B|1, H|1, nq), indices (B|1, H|1, nq, nk)) int32 of a bool (B|1, H|1, nq, nk)
+    choice of key blocks: each query block's chosen key blocks first, in key order."""
+    nk = chosen.shape[-1]
+    order = torch.where(chosen, torch.arange(nk), nk + torch.arange(nk)).argsort(dim=-1)
+    return chosen.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
+
+
+def _block_mask(mask: Optional[Mask], shape: tuple[int, int, int, int], *, device: torch.device,
+                block_size: int, mask_mod: Optional[MaskMod], sink: bool = False) -> "BlockMask":
+    """The BlockMask of ``mask`` at ``shape`` (arguments trusted); with ``sink`` over Lk + 1 keys,
+    the last one (the sink key) visible from every row."""
+    _, _, lq, lk = shape
+    plan = None if mask is None else mask.plan
+    if plan is not None and plan.shape == shape and plan.block_q == plan.block_k == block_size:
+        states = plan.states.cpu()  # (B|1, H|1, nq, nk): the plan the mask carries, as it is
+        empty, full = states == 0, states == 2
+    else:
+        e, f = tile_states(mask, shape, device=device, block_size=block_size)
+        empty, full = e[None, None], f[None, None]
+    if sink:
+        if lk % block_size == 0:  # the sink key starts a block of its own: every row sees all of it
+            empty = torch.cat([empty, torch.zeros_like(empty[..., :1])], dim=-1)
+            full = torch.cat([full, torch.ones_like(full[..., :1])], dim=-1)
+        else:  # it ends the last block: a block no row saw must now be evaluated
+            empty = empty.clone()
+            empty[..., -1] = False
+    kv_num, kv_idx = _indices(~empty & ~full)
+    full_num, full_idx = _indices(full)
+    return _flex().BlockMask.from_kv_blocks(
+        kv_num.to(device), kv_idx.to(device), full_num.to(device), full_idx.to(device),
+        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(lq, lk + 1 if sink else lk),
+    )
+
+
+def _check_dims(B: object, H: object, Lq: object, Lk: object) -> tuple[int, int, int, int]:
+    b, h, q, k = (check_positive_int(n, name) for n, name in ((B, "B"), (H, "H"), (Lq, "Lq"), (Lk, "Lk")))
+    return b, h, q, k
 
 
 def to_block_mask(mask: MaskLike, B: int, H: int, Lq: int, Lk: int, *, device: torch.device,
-                  block_size: int = BLOCK_SIZE, mask_mod: Optional[MaskMod] = None) -> "BlockMask":
-    """torch's ``BlockMask`` for ``mask`` over (B, H, Lq, Lk), from the mask's own tile states.
+                  block_size: int = BLOCK_SIZE) -> "BlockMask":
+    """torch's ``BlockMask`` for ``mask`` over (B, H, Lq, Lk), from the mask's own tile states,
+    with the mask's translation (`translate`) as its ``mask_mod``.
 
-    The block mask is shared by every batch row and head (shape (1, 1, Lq, Lk)); its
-    ``mask_mod`` is the mask's translation (or ``mask_mod`` when given). Nothing (Lq, Lk) is
-    built for causal and window parts; a tensor part is read tile by tile.
+    The block mask is shared by every batch row and head (shape (1, 1, Lq, Lk)), or is the
+    mask's `multihead.masks.BlockPlan` as it is when it carries one of this shape and block
+    size. Nothing (Lq, Lk) is built for the structural parts (causal, window, documents,
+    chunked_local); a tensor part is read tile by tile. Score mods, biases and sinks are not
+    part of a BlockMask (`translate` gives the score_mod).
 
     >>> import torch
     >>> from multihead import masks
@@ -320,21 +417,49 @@ def to_block_mask(mask: MaskLike, B: int, H: int, Lq: int, Lk: int, *, device: t
     >>> bm.to_dense()[0, 0].int().tolist()          # 2 x 2 tiles of 128: the upper one is skipped
     [[1, 0], [1, 1]]
     """
-    B, H, Lq, Lk = (check_positive_int(n, name) for n, name in ((B, "B"), (H, "H"), (Lq, "Lq"), (Lk, "Lk")))
+    shape = _check_dims(B, H, Lq, Lk)
     block_size = check_positive_int(block_size, "block_size")
     m = as_mask(mask, name="to_block_mask's mask")
     if m is not None:
-        m.check((B, H, Lq, Lk), torch.device(device))
-    mask = m
-    if mask_mod is None:
-        mask_mod = translate(mask, (B, H, Lq, Lk), device=device, dtype=torch.float32).mask_mod
-    empty, full = tile_states(mask, (B, H, Lq, Lk), device=device, block_size=block_size)
-    kv_num, kv_idx = _indices(~empty & ~full)
-    full_num, full_idx = _indices(full)
-    return _flex().BlockMask.from_kv_blocks(
-        kv_num.to(device), kv_idx.to(device), full_num.to(device), full_idx.to(device),
-        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(Lq, Lk),
-    )
+        m.check(shape, torch.device(device))
+    mask_mod = translate(m, shape, device=torch.device(device), dtype=torch.float32).mask_mod
+    return _block_mask(m, shape, device=torch.device(device), block_size=block_size, mask_mod=mask_mod)
+
+
+def from_block_mask(block_mask: "BlockMask", *, B: Optional[int] = None, H: Optional[int] = None) -> Mask:
+    """A multihead mask from torch's ``BlockMask``: its ``mask_mod`` as `multihead.masks.mask_mod`,
+    carrying the block mask's tiles as its `multihead.masks.BlockPlan` (so no tile state is
+    recomputed). ``B``/``H`` give the call's batch and heads when the block mask broadcasts
+    over them (made with B=None or H=None).
+
+    >>> import torch
+    >>> from torch.nn.attention.flex_attention import create_block_mask
+    >>> from multihead.backends import flex
+    >>> bm = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 256, 256, device="cpu")
+    >>> m = flex.from_block_mask(bm, B=2, H=4)
+    >>> m.tile_state(0, 128, 128, 256, (2, 4, 256, 256))
+    'empty'
+    """
+    if not isinstance(block_mask, _flex().BlockMask):
+        raise TypeError(f"from_block_mask takes a torch.nn.attention.flex_attention.BlockMask, "
+                        f"got {type(block_mask).__name__}")
+    bb, bh, lq, lk = (int(n) for n in block_mask.shape)
+    batch = bb if B is None else check_positive_int(B, "B")
+    heads = bh if H is None else check_positive_int(H, "H")
+    for given, have, name in ((batch, bb, "B"), (heads, bh, "H")):
+        if have not in (1, given):
+            raise ValueError(f"{name}={given} does not match the block mask's {name}={have}; "
+                             f"pass the {name} it was made for, or make it with {name}=None")
+    bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
+    nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
+    flexmod = _flex()
+    partial = flexmod._ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, nk)
+    states = partial.to(torch.uint8)
+    if block_mask.full_kv_num_blocks is not None:
+        full = flexmod._ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nk)
+        states = torch.where(full.bool(), 2, states).to(torch.uint8)
+    plan = _masks.BlockPlan((batch, heads, lq, lk), bq, bk, states[..., :nq, :nk])
+    return _masks.mask_mod(block_mask.mask_mod).with_plan(plan)
 
 
 # -- running
@@ -354,14 +479,24 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask],
         compiled = COMPILE
     B, H, lq, _ = q.shape
     lk = k.shape[2]
+    shape = (B, H, lq, lk)
+    t = translate(mask, shape, device=q.device, dtype=compute_dtype(q.dtype))
     if lq == 0 or lk == 0:  # nothing to attend: out (and lse) of a row with no key
         out = q.new_zeros(B, H, lq, v.shape[-1])
-        return (out, q.new_full((B, H, lq), float("-inf"), dtype=torch.float32)) if return_lse else out
-    t = translate(mask, (B, H, lq, lk), device=q.device, dtype=compute_dtype(q.dtype))
+        lse = q.new_full((B, H, lq), float("-inf"), dtype=torch.float32)
+        if t.sink is not None:  # lse := logaddexp(lse, sink)
+            lse = t.sink.float().view(1, H, 1).expand(B, H, lq).clone()
+        return (out, lse) if return_lse else out
+    mask_mod, score_mod = t.mask_mod, t.score_mod
+    if t.sink is not None:  # one more key, the sink: k and v gain a row of zeros
+        mask_mod, score_mod = _with_sink_key(mask_mod, score_mod, t.sink, lk)
+        k = torch.cat([k, k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])], dim=2)
+        v = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3])], dim=2)
     block_mask = None
-    if t.mask_mod is not None:
-        block_mask = to_block_mask(mask, B, H, lq, lk, device=q.device, mask_mod=t.mask_mod)
-    kwargs: dict[str, Any] = dict(score_mod=t.score_mod, block_mask=block_mask, scale=scale,
+    if mask_mod is not None:
+        block_mask = _block_mask(mask, shape, device=q.device, block_size=BLOCK_SIZE, mask_mod=mask_mod,
+                                 sink=t.sink is not None)
+    kwargs: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, scale=scale,
                                   enable_gqa=q.shape[1] != k.shape[1])
     if return_lse:
         kwargs["return_aux"] = _flex().AuxRequest(lse=True)
@@ -402,8 +537,10 @@ def _grad_needed(call: Call) -> bool:
     if not torch.is_grad_enabled():
         return False
     tensors = [call.q, call.k, call.v]
-    if call.mask is not None:
-        tensors += [t for p in call.mask.parts if isinstance(t := getattr(p, "tensor", None), torch.Tensor)]
+    if call.mask is not None:  # the mask's float tensors: biases, alibi slopes, sinks, a score_mod's
+        tensors += list(call.mask.tensors)
+        for p in call.mask.parts:
+            tensors += [t for name in ("tensor", "slopes", "logits") if isinstance(t := getattr(p, name, None), torch.Tensor)]
     return any(t.requires_grad for t in tensors)
 
 
