@@ -244,6 +244,8 @@ class Mask:
     is_score_mod: ClassVar[bool] = False
     #: whether the part selects by key intervals per query (`_intervals`)
     is_structural: ClassVar[bool] = False
+    #: whether the part only selects (builds a keep, never a bias): skipped on a full tile
+    selects_only: ClassVar[bool] = False
 
     #: the parts this mask is made of (a leaf is its own only part)
     @property
@@ -436,6 +438,8 @@ class Mask:
             keep_t = _interval_keep(ivs, k0, k1, device)
         for part in parts:
             if part.is_structural:
+                continue
+            if full and part.selects_only:
                 continue
             k, b = part._build_block(q0, q1, k0, k1, shape, device=device, dtype=dtype, rows=rows)
             if k is not None and not full:
@@ -815,6 +819,7 @@ class Keep(Mask):
     """A boolean tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
 
     kind: ClassVar[str] = "keep"
+    selects_only: ClassVar[bool] = True
 
     def __init__(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor):
@@ -881,6 +886,7 @@ class KeyPadding(Mask):
     """A bool (B, Lk) tensor, True for real tokens, False for padding keys."""
 
     kind: ClassVar[str] = "padding"
+    selects_only: ClassVar[bool] = True
 
     def __init__(self, keep_t: torch.Tensor):
         if not isinstance(keep_t, torch.Tensor):
@@ -1165,6 +1171,7 @@ class MaskMod(Mask):
     evaluated on one tile's index tensors at a time."""
 
     kind: ClassVar[str] = "mask_mod"
+    selects_only: ClassVar[bool] = True
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         if not callable(fn):
