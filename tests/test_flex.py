@@ -26,7 +26,8 @@ import multihead
 from multihead import backends, masks
 from multihead.backends import flex
 from oracle import judge, naive_attention, score_size
-from ref64 import attention64, causal_keep, random_qkv, window_keep
+from ref64 import (alibi_bias64, attention64, attention64_mods, causal_keep, chunked_keep, documents_keep, grid_keep,
+                   random_qkv, window_keep, window_sinks_keep)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = 1e-12
@@ -43,7 +44,7 @@ def eager(q, k, v, mask, scale=None):
     """The backend's translation run by torch's unfused FlexAttention (no compile)."""
     m = masks.as_mask(mask)
     if m is not None:
-        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device, dtype=q.dtype)
     return flex.run(q, k, v, m, scale=q.shape[-1] ** -0.5 if scale is None else scale, compiled=False)
 
 
@@ -79,8 +80,8 @@ def _cases(B, H, Lq, Lk, g):
     ]
 
 
-@pytest.mark.parametrize("lengths", [(200, 200), (100, 260), (300, 140)], ids=["square", "Lq<Lk", "Lq>Lk"])
-@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("lengths, gqa", [((200, 200), True), ((100, 260), False), ((300, 140), True)],
+                         ids=["square gqa", "Lq<Lk", "Lq>Lk gqa"])
 def test_translation_matches_the_definition_float64(lengths, gqa, hop_directly):
     """Lengths that are not multiples of the 128-key tiles, queries ending on the last key and not."""
     Lq, Lk = lengths
@@ -89,6 +90,69 @@ def test_translation_matches_the_definition_float64(lengths, gqa, hop_directly):
     for name, mask, keep, bias in _cases(B, H, Lq, Lk, torch.Generator().manual_seed(2)):
         want, _ = attention64(q, k, v, keep, bias)
         assert_close64(eager(q, k, v, mask), want), name
+
+
+def _kinds(B, H, L, g):
+    """(name, mask, keep, bias, score_fn, sink) for the issue-13 kinds, each from its definition
+    in ref64 (loops over the documents, index grids for the functions)."""
+    ids = torch.tensor([0] * 100 + [1] * 120 + [2] * (L - 220))
+    ids2 = torch.stack([ids, torch.tensor([0] * 50 + [1] * (L - 100) + [-1] * 50)])  # -1: padding tokens
+    table = torch.randn(H, 2 * L, generator=g, dtype=torch.float64)
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    sparse = torch.rand(L, L, generator=g) < 0.01  # rows with no visible key: only the sink is left
+
+    def rel(s, b, h, q, kv):  # a learned relative-position table, read at q - kv
+        return s + table[h, q - kv + L]
+
+    def cap(s, b, h, q, kv):
+        return 5.0 * torch.tanh(s / 5.0)
+
+    def stripes(b, h, q, kv):
+        return ((q - kv) % 3 == 0) | (h == b)
+
+    causal = causal_keep(L, L)
+    slopes = masks.alibi_slopes(H).double()
+    return [
+        ("documents & causal", masks.documents(ids) & masks.causal(), documents_keep(ids, causal="bottom_right"),
+         None, None, None),
+        ("documents per row & window", masks.documents(ids2) & masks.window(30),
+         documents_keep(ids2, window=(30, 0, "bottom_right")), None, None, None),
+        ("seqlens & causal & chunked_local", masks.from_seqlens([100, L - 100]) & masks.causal() & masks.chunked_local(64),
+         documents_keep(torch.tensor([0] * 100 + [1] * (L - 100)), causal="bottom_right", chunk=(64, "bottom_right")),
+         None, None, None),
+        ("chunked_local & causal", masks.chunked_local(48) & masks.causal(), chunked_keep(L, L, 48) & causal,
+         None, None, None),
+        ("window sinks", masks.window(40, sinks=4), window_sinks_keep(L, L, 40, 0, 4), None, None, None),
+        ("mask_mod", masks.mask_mod(stripes), grid_keep(stripes, B, H, L, L), None, None, None),
+        ("score_mod & causal", masks.score_mod(rel) & masks.causal(), causal, None, rel, None),
+        ("softcap & causal", masks.softcap(5.0) & masks.causal(), causal, None, cap, None),
+        ("alibi & causal", masks.alibi(slopes) & masks.causal(), causal, alibi_bias64(slopes, L, L), None, None),
+        ("sink & causal", masks.sink(sink) & masks.causal(), causal, None, None, sink),
+        ("sink & sparse keep", masks.sink(sink) & masks.keep(sparse), sparse, None, None, sink),
+        ("sink & bias & score_mod & window", masks.sink(sink) & masks.bias(table[:, :L].unsqueeze(1).expand(H, L, L))
+         & masks.score_mod(rel) & masks.window(100), window_keep(L, L, 100, 0), table[:, :L].unsqueeze(1), rel, sink),
+    ]
+
+
+@pytest.mark.parametrize("L", [300, 256], ids=["L=300", "L=256 (the sink key opens a tile)"])
+def test_new_kinds_match_their_definition_float64(L, hop_directly):
+    B, H = 2, 4
+    q, k, v = random_qkv(B=B, H=H, Hkv=2, Lq=L, D=16, seed=11)
+    for name, mask, keep, bias, score_fn, sink in _kinds(B, H, L, torch.Generator().manual_seed(12)):
+        want, _ = attention64_mods(q, k, v, keep, bias, score_fn=score_fn, sink=sink)
+        assert_close64(eager(q, k, v, mask), want), name
+
+
+def test_documents_with_their_own_key_ids_and_a_sink_float64(hop_directly):
+    """A decode-like step over packed documents: 3 new tokens per document after cached ones,
+    bottom-right per document, ALiBi aligned per document, a sink."""
+    q_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    kv_ids = torch.tensor([0] * 130 + [1] * 70)
+    q, k, v = random_qkv(B=1, H=2, Lq=6, Lk=200, D=16, seed=13)
+    sink = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    keep = documents_keep(q_ids, kv_ids, causal="bottom_right")
+    got = eager(q, k, v, masks.documents(q_ids, kv_ids) & masks.causal() & masks.sink(sink))
+    assert_close64(got, attention64_mods(q, k, v, keep, sink=sink)[0])
 
 
 def test_rows_with_no_visible_key_give_zero():
@@ -181,65 +245,67 @@ def test_to_block_mask_bad_block_size():
 
 
 # ---------------------------------------------------------------- the compiled path (CPU inference)
-@pytest.fixture(scope="module")
-def compiled_case():
-    """One compile: causal & key padding & bias (a mask_mod of two parts and a score_mod),
-    B=2, H=4, Hkv=2 (GQA), L=200, float32, through the backend with flex.COMPILE on."""
-    g = torch.Generator().manual_seed(7)
-    pad = torch.ones(2, 200, dtype=torch.bool)
-    pad[1, 150:] = False
-
-    def make(seed):
-        q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=200, D=16, dtype=torch.float32, seed=seed)
-        bias = torch.randn(4, 200, 200, generator=g)
-        return q, k, v, bias
-
-    saved = flex.COMPILE
-    flex.COMPILE = True
-    try:
-        yield make
-    finally:
-        flex.COMPILE = saved
+SCALE = 16 ** -0.5
 
 
-def _judge_compiled(q, k, v, bias, pad, out):
-    keep = causal_keep(200, 200) & pad[:, None, None, :]
-    keep = keep.expand(2, 4, 200, 200)
-    bias4 = bias.expand(2, 4, 200, 200)
-    scale = 16 ** -0.5
+def _combo(seed):
+    """q, k, v (B=2, H=4, Hkv=2, L=200, D=16, float32), the mask's parts, and the dense keep/bias
+    of the definition: documents & causal & key_padding & bias & softcap & sink (a mask_mod of
+    three parts, a score_mod of two, and the sink key), new values for each seed."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=200, D=16, dtype=torch.float32, seed=seed)
+    cut = 40 + seed  # document boundaries move with the seed; the shapes stay
+    ids = torch.tensor([0] * cut + [1] * (120 - cut) + [2] * 80)
+    pad = torch.rand(2, 200, generator=g) < 0.9
+    bias = torch.randn(4, 200, 200, generator=g)
+    sink = torch.randn(4, generator=g)
+    mask = (masks.documents(ids) & masks.causal() & masks.key_padding(pad) & masks.bias(bias)
+            & masks.softcap(3.0) & masks.sink(sink))
+    keep = documents_keep(ids, causal="bottom_right").expand(2, 4, 200, 200) & pad[:, None, None, :]
+    return q, k, v, mask, keep, bias, sink
 
+
+def _naive_mods(q, k, v, keep, bias, sink, dt):
+    """The definition computed in ``dt`` (float32: the naive same-precision reference)."""
+    q, k, v = q.to(dt), k.to(dt).repeat_interleave(2, 1), v.to(dt).repeat_interleave(2, 1)
+    s = q @ k.transpose(-1, -2) * SCALE + bias.to(dt)
+    s = 3.0 * torch.tanh(s / 3.0)
+    s = s.masked_fill(~keep, -math.inf)
+    col = sink.to(dt).view(1, 4, 1, 1).expand(2, 4, 200, 1)
+    w = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :200]
+    return w @ v
+
+
+def _judge_combo(q, k, v, keep, bias, sink, out):
     def naive(dt):
-        return naive_attention(q, k, v, keep, bias4, scale, dt)
+        return _naive_mods(q, k, v, keep, bias, sink, dt)
 
     verdict = judge("flex compiled", out, naive(torch.float64), naive, torch.float32,
-                    score_size=score_size(q.double(), k.double().repeat_interleave(2, 1), keep, bias4.double(), scale),
+                    score_size=score_size(q.double(), k.double().repeat_interleave(2, 1), keep, bias.double(), SCALE),
                     head_dim=16)
     assert verdict.ok, str(verdict)
 
 
-def test_compiled_inference_matches_the_oracle_and_does_not_recompile(compiled_case):
-    pad = torch.ones(2, 200, dtype=torch.bool)
-    pad[1, 150:] = False
-    q, k, v, bias = compiled_case(8)
-    mask = masks.causal() & masks.key_padding(pad) & masks.bias(bias)
+@pytest.fixture
+def compiling(monkeypatch):
+    monkeypatch.setattr(flex, "COMPILE", True)
+
+
+def test_compiled_inference_matches_the_oracle_and_does_not_recompile(compiling):
+    """One compile (torch inductor, CPU), then new values of the same shapes: no new graph."""
+    q, k, v, mask, keep, bias, sink = _combo(0)
     with torch.no_grad():
         out = multihead.attention(q, k, v, mask, backend="flex")
-    _judge_compiled(q, k, v, bias, pad, out)
+    _judge_combo(q, k, v, keep, bias, sink, out)
     graphs = counters["stats"]["unique_graphs"]
     frames = dict(counters["frames"])
-    for seed in (9, 10):  # new values, new tensors, same shapes: the compiled kernel is reused
-        q, k, v, bias = compiled_case(seed)
-        pad = torch.rand(2, 200, generator=torch.Generator().manual_seed(seed)) < 0.9
-        pad[:, 0] = True
-        mask = masks.causal() & masks.key_padding(pad) & masks.bias(bias)
+    for seed in (1, 2):  # new tensors, new documents, new values: the compiled kernel is reused
+        q, k, v, mask, keep, bias, sink = _combo(seed)
         with torch.no_grad():
             out = multihead.attention(q, k, v, mask, backend="flex")
-        _judge_compiled(q, k, v, bias, pad, out)
+        _judge_combo(q, k, v, keep, bias, sink, out)
     assert counters["stats"]["unique_graphs"] == graphs, "a call of the same shapes compiled again"
     assert dict(counters["frames"]) == frames
-    with torch.inference_mode():  # inference tensors: torch's guards compile once more for them
-        out = multihead.attention(q, k, v, mask, backend="flex")
-    _judge_compiled(q, k, v, bias, pad, out)
 
 
 # ---------------------------------------------------------------- refusals and auto
