@@ -244,24 +244,72 @@ def test_to_block_mask_bad_block_size():
         flex.to_block_mask(masks.causal(), 1, 1, 8, 8, device=torch.device("cpu"), block_size=0)
 
 
+def test_block_mask_of_nn_multihead_attention_3d_mask_is_read_from_its_tensor():
+    heads3d = torch.ones(2 * 2, 256, 256, dtype=torch.bool)  # True = blocked: nothing visible ...
+    heads3d[3, 200, 10] = False                               # ... but one key of one head
+    bm = flex.to_block_mask(masks.from_torch(heads3d), 2, 2, 256, 256, device=torch.device("cpu"))
+    assert _states(bm) == [[0, 0], [1, 0]]
+
+
+def test_a_plan_the_mask_carries_is_the_block_mask():
+    fn = masks.mask_mod(lambda b, h, q, kv: (kv <= q) & (kv > q - 130 * (h + 1)))  # per-head windows
+    plan = masks.block_plan(fn, (1, 2, 384, 384))
+    bm = flex.to_block_mask(fn.with_plan(plan), 1, 2, 384, 384, device=torch.device("cpu"))
+    assert bm.kv_num_blocks.shape == (1, 2, 3)  # per head, as the plan has it
+    for h in range(2):
+        full = flex._flex()._ordered_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, 3)[0, h].int()
+        assert (bm.to_dense()[0, h].int() + full).tolist() == plan.states[0, h].tolist()
+
+
+def test_from_block_mask_keeps_torch_mask_mod_and_tiles(hop_directly):
+    flexmod = flex._flex()
+
+    def causal_fn(b, h, q, kv):
+        return kv <= q
+
+    bm = flexmod.create_block_mask(causal_fn, None, None, 300, 300, device="cpu")
+    m = flex.from_block_mask(bm, B=2, H=4)
+    shape = (2, 4, 300, 300)
+    assert m.plan is not None and m.plan.shape == shape
+    assert [m.tile_state(i * 128, min(300, i * 128 + 128), j * 128, min(300, j * 128 + 128), shape)
+            for i in range(3) for j in range(3)] == [
+        "partial", "empty", "empty", "full", "partial", "empty",
+        "partial", "partial", "partial"]  # torch counts the rows past L=300 of the last tile as masked
+    q, k, v = random_qkv(B=2, H=4, Lq=300, D=16, seed=14)
+    want = attention64(q, k, v, causal_keep(300, 300))[0]
+    assert_close64(multihead.attention(q, k, v, m, backend="reference"), want)
+    assert_close64(eager(q, k, v, m), want)
+    again = flex.to_block_mask(m, 2, 4, 300, 300, device=torch.device("cpu"))  # round trip: the same tiles
+    assert torch.equal(again.to_dense(), bm.to_dense())
+
+
+def test_from_block_mask_bad_input():
+    flexmod = flex._flex()
+    with pytest.raises(TypeError, match="from_block_mask takes a torch.nn.attention.flex_attention.BlockMask"):
+        flex.from_block_mask(torch.ones(2, 2, dtype=torch.bool))
+    bm = flexmod.create_block_mask(lambda b, h, q, kv: kv <= q, 2, None, 128, 128, device="cpu")
+    with pytest.raises(ValueError, match="B=3 does not match the block mask's B=2"):
+        flex.from_block_mask(bm, B=3)
+
+
 # ---------------------------------------------------------------- the compiled path (CPU inference)
 SCALE = 16 ** -0.5
 
 
-def _combo(seed):
-    """q, k, v (B=2, H=4, Hkv=2, L=200, D=16, float32), the mask's parts, and the dense keep/bias
+def _combo(seed, L=200):
+    """q, k, v (B=2, H=4, Hkv=2, L, D=16, float32), the mask's parts, and the dense keep/bias
     of the definition: documents & causal & key_padding & bias & softcap & sink (a mask_mod of
     three parts, a score_mod of two, and the sink key), new values for each seed."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=200, D=16, dtype=torch.float32, seed=seed)
+    q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=L, D=16, dtype=torch.float32, seed=seed)
     cut = 40 + seed  # document boundaries move with the seed; the shapes stay
-    ids = torch.tensor([0] * cut + [1] * (120 - cut) + [2] * 80)
-    pad = torch.rand(2, 200, generator=g) < 0.9
-    bias = torch.randn(4, 200, 200, generator=g)
+    ids = torch.tensor([0] * cut + [1] * (120 - cut) + [2] * (L - 120))
+    pad = torch.rand(2, L, generator=g) < 0.9
+    bias = torch.randn(4, L, L, generator=g)
     sink = torch.randn(4, generator=g)
     mask = (masks.documents(ids) & masks.causal() & masks.key_padding(pad) & masks.bias(bias)
             & masks.softcap(3.0) & masks.sink(sink))
-    keep = documents_keep(ids, causal="bottom_right").expand(2, 4, 200, 200) & pad[:, None, None, :]
+    keep = documents_keep(ids, causal="bottom_right").expand(2, 4, L, L) & pad[:, None, None, :]
     return q, k, v, mask, keep, bias, sink
 
 
@@ -271,8 +319,8 @@ def _naive_mods(q, k, v, keep, bias, sink, dt):
     s = q @ k.transpose(-1, -2) * SCALE + bias.to(dt)
     s = 3.0 * torch.tanh(s / 3.0)
     s = s.masked_fill(~keep, -math.inf)
-    col = sink.to(dt).view(1, 4, 1, 1).expand(2, 4, 200, 1)
-    w = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :200]
+    col = sink.to(dt).view(1, 4, 1, 1).expand(*s.shape[:3], 1)
+    w = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
     return w @ v
 
 
@@ -308,6 +356,23 @@ def test_compiled_inference_matches_the_oracle_and_does_not_recompile(compiling)
     assert dict(counters["frames"]) == frames
 
 
+def test_a_second_length_compiles_again(compiling):
+    """A new length compiles once more, with static shapes: torch 2.13's dynamic-shape CPU
+    kernel for a causal mask_mod fails to build ("'cur_qSplitSize3' was not declared")."""
+    for L in (128, 256):
+        q, k, v = random_qkv(B=1, H=2, Lq=L, D=16, dtype=torch.float32, seed=L)
+        with torch.no_grad():
+            out = multihead.attention(q, k, v, masks.causal(), backend="flex")
+        keep = causal_keep(L, L).expand(1, 2, L, L)
+
+        def naive(dt):
+            return naive_attention(q, k, v, keep, None, SCALE, dt)
+
+        verdict = judge(f"flex compiled, L={L}", out, naive(torch.float64), naive, torch.float32,
+                        score_size=score_size(q.double(), k.double(), keep, None, SCALE), head_dim=16)
+        assert verdict.ok, str(verdict)
+
+
 # ---------------------------------------------------------------- refusals and auto
 def _call(q, k, v, mask=None, dropout_p=0.0, need_weights=False, compiling=None):
     return backends.Call(q, k, v, masks.as_mask(mask), dropout_p, need_weights, compiling)
@@ -333,6 +398,10 @@ def test_refusals_name_the_reason_and_the_alternative():
         assert why(_call(q64, k64, v64)) is None  # torch's unfused path takes float64
     finally:
         flex.COMPILE = saved
+    for learned in (masks.score_mod(lambda s, b, h, qi, kv: s * w[h], tensors=[w := torch.ones(2, requires_grad=True)]),
+                    masks.sink(torch.zeros(2, requires_grad=True)),
+                    masks.alibi(torch.ones(2, requires_grad=True))):
+        assert "training on the CPU" in why(_call(q, k, v, learned)), learned
     meta = [t.to("meta") for t in (q, k, v)]
     assert "runs on cpu and cuda, not meta" in why(_call(*meta))
 
@@ -351,6 +420,14 @@ def test_auto_does_not_pick_flex_on_the_cpu_and_says_why():
         d = multihead.explain_dispatch(q, k, v, masks.causal())
     assert d.backend == "sdpa"
     assert "benchmarks/bench_flex.py" in d.refused["flex"] and "flex.AUTO_CPU = False" in d.refused["flex"]
+
+
+def test_auto_with_a_score_mod_on_the_cpu_says_why_not_flex():
+    q, k, v = random_qkv(B=1, H=2, Lq=8, D=16, dtype=torch.float32)
+    with torch.no_grad():
+        d = multihead.explain_dispatch(q, k, v, masks.softcap(20.0) & masks.causal())
+    assert d.backend != "flex" and "flex.AUTO_CPU = False" in d.refused["flex"]
+    assert "cannot apply softcap(20)" in d.refused["sdpa"]
 
 
 def test_explain_dispatch_says_how_flex_runs():

@@ -34,7 +34,9 @@ Where it runs (torch 2.13; ``_refuses`` says it by name when it cannot):
 Compilation is done once per distinct graph: the backend calls one module-level compiled
 function, and the translated functions of a given mask kind have the same code each call, so a
 second call with the same shapes, dtypes and mask kinds reuses the compiled kernel (torch's
-guards; a new length compiles once more, then shapes become dynamic). :func:`run` with
+guards). Shapes are static: each new length compiles once (dynamic shapes hit a torch 2.13 CPU
+code-generation error, see ``_compiled``); past ``torch._dynamo.config.recompile_limit`` graphs
+torch runs flex_attention uncompiled (correct, slow, with torch's warning). :func:`run` with
 ``compiled=False`` runs torch's unfused reference path of FlexAttention instead (it materialises
 the scores, takes float64 and returns the log-sum-exp on the CPU too): it checks a translation
 without compiling.
@@ -103,8 +105,13 @@ def _flex() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _compiled() -> Callable[..., Any]:
-    """The one compiled flex_attention every call goes through (one compile cache for all)."""
-    return torch.compile(_flex().flex_attention)
+    """The one compiled flex_attention every call goes through (one compile cache for all).
+
+    Static shapes: a new length compiles a kernel of its own. With dynamic shapes (what dynamo
+    switches to at a second length) torch 2.13's CPU kernel for a mask_mod that reads a tensor
+    fails to build (C++ "'cur_qSplitSize3' was not declared in this scope").
+    """
+    return torch.compile(_flex().flex_attention, dynamic=False)
 
 
 # -- translation: a multihead mask -> FlexAttention's mask_mod and score_mod
@@ -388,10 +395,11 @@ def _block_mask(mask: Optional[Mask], shape: tuple[int, int, int, int], *, devic
             empty[..., -1] = False
     kv_num, kv_idx = _indices(~empty & ~full)
     full_num, full_idx = _indices(full)
-    return _flex().BlockMask.from_kv_blocks(
+    block_mask: BlockMask = _flex().BlockMask.from_kv_blocks(
         kv_num.to(device), kv_idx.to(device), full_num.to(device), full_idx.to(device),
         BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(lq, lk + 1 if sink else lk),
     )
+    return block_mask
 
 
 def _check_dims(B: object, H: object, Lq: object, Lk: object) -> tuple[int, int, int, int]:
@@ -553,7 +561,7 @@ def _refuses(call: Call) -> Optional[str]:
     device = q.device.type
     if device not in ("cpu", "cuda"):
         return f"it runs on cpu and cuda, not {device}"
-    if not torch._dynamo.is_dynamo_supported():
+    if not torch._dynamo.eval_frame.is_dynamo_supported():
         return "torch.compile is not supported on this Python/platform, and flex_attention needs it"
     if device == "cpu":
         if _grad_needed(call):
