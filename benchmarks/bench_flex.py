@@ -13,8 +13,9 @@ The first flex call of each case compiles (torch inductor); its time is reported
 ("compile s") and left out of the timing. Timing is ``benchmarks.harness.side_by_side``: the
 candidates interleaved in rounds in this one process, each one's figure the minimum over rounds
 of the round's median; the ratios are formed from those. The machine (CPU model, threads, load)
-is printed with the table. ``backends.flex.AUTO_CPU`` is set from these figures: ``auto`` picks
-flex on the CPU only if it wins here.
+is printed with the table. ``auto``'s CPU rule for flex (``backends.flex._auto_declines``) comes
+from these figures: flex where it beat what ``auto`` would run otherwise (packed documents, once
+sdpa declines its dense mask: chunked), never for plain causal (sdpa's kernel wins).
 
 ``python benchmarks/bench_flex.py [--quick] [--lengths 1024,4096]``; on a machine with CUDA,
 ``--device cuda`` runs the same table there.

@@ -307,10 +307,13 @@ def _combo(seed, L=200):
     pad = torch.rand(2, L, generator=g) < 0.9
     bias = torch.randn(4, L, L, generator=g)
     sink = torch.randn(4, generator=g)
-    mask = (masks.documents(ids) & masks.causal() & masks.key_padding(pad) & masks.bias(bias)
-            & masks.softcap(3.0) & masks.sink(sink))
     keep = documents_keep(ids, causal="bottom_right").expand(2, 4, L, L) & pad[:, None, None, :]
-    return q, k, v, mask, keep, bias, sink
+    return q, k, v, _combo_mask(ids, pad, bias, sink), keep, bias, sink
+
+
+def _combo_mask(ids, pad, bias, sink):
+    return (masks.documents(ids) & masks.causal() & masks.key_padding(pad) & masks.bias(bias)
+            & masks.softcap(3.0) & masks.sink(sink))
 
 
 def _naive_mods(q, k, v, keep, bias, sink, dt):
@@ -414,19 +417,47 @@ def test_asked_by_name_it_raises_what_it_refuses():
         multihead.attention(q.detach(), k.detach(), v.detach(), dropout_p=0.5, backend="flex")
 
 
-def test_auto_does_not_pick_flex_on_the_cpu_and_says_why():
+def test_auto_declines_flex_below_the_size_where_tiles_pay():
     q, k, v = random_qkv(B=1, H=2, Lq=8, D=16, dtype=torch.float32)
     with torch.no_grad():
-        d = multihead.explain_dispatch(q, k, v, masks.causal())
-    assert d.backend == "sdpa"
-    assert "benchmarks/bench_flex.py" in d.refused["flex"] and "flex.AUTO_CPU = False" in d.refused["flex"]
+        d = multihead.explain_dispatch(q, k, v, masks.documents(torch.tensor([0] * 4 + [1] * 4)))
+    assert d.backend == "sdpa" and "below chunked.AUTO_MIN_SCORES" in d.refused["flex"]
+
+
+def _long(dtype=torch.float32, grad=False):
+    """q, k, v of Lq = Lk = 2048 (Lq·Lk = chunked.AUTO_MIN_SCORES): only planned, never run."""
+    return [torch.zeros(1, 2, 2048, 16, dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+def test_auto_picks_flex_on_the_cpu_for_documents_where_sdpa_declines(monkeypatch):
+    """Where sdpa's dense mask is over its budget, packed documents go to flex for inference
+    (measured faster than chunked in benchmarks/bench_flex.py); other masks, training, other
+    dtypes and flex.AUTO_CPU = False go on to chunked, each with its reason."""
+    monkeypatch.setattr(multihead.backends.sdpa, "DENSE_MASK_BUDGET_BYTES", 2**20)
+    docs = masks.from_seqlens([512] * 4) & masks.causal()
+    with torch.no_grad():
+        d = multihead.explain_dispatch(*_long(), docs)
+        assert d.backend == "flex" and "over sdpa.DENSE_MASK_BUDGET_BYTES" in d.refused["sdpa"]
+        assert d.how.startswith("compiled with torch.compile (inductor) on cpu; documents & causal -> mask_mod")
+        assert d.refused["chunked"] == "'flex' comes first in the auto order"
+        d = multihead.explain_dispatch(*_long(), masks.window(256))
+        assert d.backend == "chunked" and "packed documents only" in d.refused["flex"]
+        d = multihead.explain_dispatch(*_long(torch.bfloat16), docs)
+        assert d.backend == "chunked" and "float32 only" in d.refused["flex"]
+        d = multihead.explain_dispatch(*_long(), docs, compiling=True)
+        assert "inside torch.compile it was not measured" in d.refused["flex"]
+        monkeypatch.setattr(flex, "AUTO_CPU", False)
+        d = multihead.explain_dispatch(*_long(), docs)
+        assert d.backend == "chunked" and d.refused["flex"] == "flex.AUTO_CPU = False"
+    d = multihead.explain_dispatch(*_long(grad=True), docs)
+    assert d.backend == "chunked" and "training on the CPU" in d.refused["flex"]
 
 
 def test_auto_with_a_score_mod_on_the_cpu_says_why_not_flex():
-    q, k, v = random_qkv(B=1, H=2, Lq=8, D=16, dtype=torch.float32)
+    q, k, v = _long()
     with torch.no_grad():
         d = multihead.explain_dispatch(q, k, v, masks.softcap(20.0) & masks.causal())
-    assert d.backend != "flex" and "flex.AUTO_CPU = False" in d.refused["flex"]
+    assert d.backend == "reference" and "packed documents only" in d.refused["flex"]
     assert "cannot apply softcap(20)" in d.refused["sdpa"]
 
 
@@ -441,8 +472,45 @@ def test_explain_dispatch_says_how_flex_runs():
     assert "block mask of 128x128 tiles: 6 of 9 computed, 3 of them without the mask_mod" in how
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_backend_name_is_registered_and_typed(device):
+def test_backend_name_is_registered_and_typed():
     assert "flex" in backends.names()
     assert "flex" in backends.BackendName.__args__
     assert backends.AUTO_ORDER.index("sdpa") < backends.AUTO_ORDER.index("flex") < backends.AUTO_ORDER.index("chunked")
+
+
+# ---------------------------------------------------------------- CUDA: compiled, trained
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_training_matches_the_oracle_where_flex_trains(device, compiling):
+    """On CUDA: the output and the gradients of q, k, v, the bias and the sink logits (torch's
+    captured-buffer gradients), each judged by the oracle's rule against the definition on the
+    CPU. On the CPU, where torch has no flex backward, the same call is refused by name."""
+    q, k, v, _, keep, bias, sink = _combo(4, L=256)
+    ids = torch.tensor([0] * 44 + [1] * 76 + [2] * 136)
+    pad = torch.rand(2, 256, generator=torch.Generator().manual_seed(4)) < 0.9
+    keep = documents_keep(ids, causal="bottom_right").expand(2, 4, 256, 256) & pad[:, None, None, :]
+    grad_out = torch.randn(2, 4, 256, 16, generator=torch.Generator().manual_seed(5))
+    leaves = [t.detach().to(device).requires_grad_(True) for t in (q, k, v, bias, sink)]
+    qd, kd, vd, bd, sd = leaves
+    mask = _combo_mask(ids.to(device), pad.to(device), bd, sd)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="backend 'flex' cannot run this call: training on the CPU"):
+            multihead.attention(qd, kd, vd, mask, backend="flex")
+        return
+    out = multihead.attention(qd, kd, vd, mask, backend="flex")
+    (out * grad_out.to(device)).sum().backward()
+
+    def naive(dt, with_grads=False):
+        ts = [t.detach().to(dt).requires_grad_(True) for t in (q, k, v, bias, sink)]
+        o = _naive_mods(*ts[:3], keep, ts[3], ts[4], dt)
+        if not with_grads:
+            return o.detach()
+        (o * grad_out.to(dt)).sum().backward()
+        return [o.detach()] + [t.grad for t in ts]
+
+    size = score_size(q.double(), k.double().repeat_interleave(2, 1), keep, bias.double(), SCALE)
+    oracle, low = naive(torch.float64, True), naive(torch.float32, True)
+    got = [out] + [t.grad for t in leaves]
+    for i, name in enumerate(["out", "dq", "dk", "dv", "dbias", "dsink"]):
+        verdict = judge(f"flex on {device}: {name}", got[i].cpu(), oracle[i], lambda dt, i=i: low[i] if dt == torch.float32
+                        else naive(dt, True)[i], torch.float32, score_size=size, head_dim=16)
+        assert verdict.ok, str(verdict)

@@ -10,14 +10,20 @@
 A multihead mask is translated, part by part, into FlexAttention's two functions and a
 `BlockMask` (which tiles of 128 queries x 128 keys are empty, full, or need the mask)::
 
-    causal, window                   mask_mod  kv <= q + offset, q + offset - left <= kv ...
-    key_padding, keep, torch 3-D     mask_mod  a lookup of the bool tensor at [b, h, q, kv]
-    bias (float tensors)             score_mod s + bias[b, h, q, kv] (in the compute dtype)
+    causal, window (sink tokens),   mask_mod   lo[b, q] <= kv < hi[b, q]: the key intervals each
+    documents, chunked_local                   row may see, (B|1, Lq) tensors from the masks' rule
+    key_padding, keep, torch 3-D    mask_mod   a lookup of the bool tensor at [b, h, q, kv]
+    mask_mod(fn)                    mask_mod   fn itself (FlexAttention's signature)
+    bias, alibi                     score_mod  s + bias[b, h, q, kv]; s - slope[h] |kv - d[b, q]|
+    score_mod(fn), softcap          score_mod  fn itself, in written order, after the biases
+    sink                            one more key (index Lk, value 0) that every row sees, with
+                                    the score sink[h]: the denominator gains exp(sink[h])
 
-and the block mask comes from the mask's own tile states (`to_block_mask`), so no (Lq, Lk)
-tensor is built for a structural mask. Per Contract A the additive parts are summed into the
-scaled score first, the score mods run after them in written order, and a selecting part that
-says False makes the score -inf; a row with no visible key gives 0 (FlexAttention's own rule).
+and the block mask comes from the mask's own tile states (`to_block_mask`; a block plan the
+mask carries is used as it is), so no (Lq, Lk) tensor is built for a structural mask. Per
+Contract A the additive parts are summed into the scaled score first, the score mods run after
+them in written order, and a selecting part that says False makes the score -inf; a row with
+no visible key gives 0 (FlexAttention's own rule; with a sink, w = 0 there too).
 
 Where it runs (torch 2.13; ``_refuses`` says it by name when it cannot):
 
@@ -41,13 +47,16 @@ torch runs flex_attention uncompiled (correct, slow, with torch's warning). :fun
 the scores, takes float64 and returns the log-sum-exp on the CPU too): it checks a translation
 without compiling.
 
-``backend="auto"`` does not pick flex on the CPU: side by side in ``benchmarks/bench_flex.py``
-(AMD EPYC, 2 threads, torch 2.13, inference, float32) compiled flex ran 1.2-1.8x slower than
-sdpa for causal and 1.0-1.6x slower than chunked for packed documents, besides a 5-20 s compile per
-new graph (see :data:`AUTO_CPU`). On CUDA ``auto`` picks it for what ``sdpa`` refuses or
-declines (score mods, masks whose dense tensor is over budget) at sizes where ``chunked`` would run
-(FlexAttention's published speed is about 90% of FlashAttention-2's forward; chunked's Python
-tiles launch several kernels per tile), since sdpa comes first in the auto order.
+``backend="auto"`` (sdpa comes first, then flex, then chunked): on the CPU it picks flex for
+inference in float32 on masks with packed documents, where sdpa declined the call (its dense
+mask over budget) and chunked would run: side by side in ``benchmarks/bench_flex.py`` (AMD EPYC,
+2 threads, torch 2.13) compiled flex took 0.20-0.63x chunked's time for 8 causal documents at
+L = 1024-4096, and 0.23-0.44x sdpa's with the dense mask, but 1.3-2.0x sdpa's for plain causal,
+besides a 5-20 s compile per new shape (:data:`AUTO_CPU` = False turns the CPU pick off). On
+CUDA it picks flex for what sdpa refuses or declines (score mods, sinks, masks whose dense tensor
+is over budget) at sizes where chunked would run, from torch's published figures (FlexAttention
+reaches about 90% of FlashAttention-2's forward; chunked's Python tiles launch several kernels
+per tile), not measured here.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D head dim,
 Dv value head dim, bs the block size (128).
@@ -78,8 +87,9 @@ __all__ = ["run", "translate", "Translation", "to_block_mask", "from_block_mask"
 
 #: the tile side of the block masks built here (FlexAttention's default)
 BLOCK_SIZE = 128
-#: whether ``auto`` may pick flex on the CPU (benchmarks/bench_flex.py: it never won here)
-AUTO_CPU = False
+#: whether ``auto`` may pick flex on the CPU (for the inference calls benchmarks/bench_flex.py
+#: measured it faster on: float32, packed documents, where sdpa declined the call)
+AUTO_CPU = True
 #: False: outside a torch.compile region, run torch's unfused FlexAttention instead of compiling
 #: (see :func:`run`; for checking translations where a compile per new shape costs too much,
 #: as in the test suite: tests/conftest.py sets it)
@@ -579,15 +589,25 @@ def _refuses(call: Call) -> Optional[str]:
 
 
 def _auto_declines(call: Call) -> Optional[str]:
-    if call.q.device.type == "cpu" and not AUTO_CPU:
-        return ("on the CPU compiled flex_attention was slower than sdpa and chunked in "
-                "benchmarks/bench_flex.py (inference, causal and packed documents) and compiles for "
-                "5-20 s per new graph: flex.AUTO_CPU = False")
+    """``auto`` reaches flex only where sdpa refused or declined the call (sdpa comes first);
+    flex then takes it where it was measured faster than what comes next (chunked, reference)."""
     from .chunked import AUTO_MIN_SCORES
     lq, lk = call.q.shape[2], call.k.shape[2]
     if lq * lk < AUTO_MIN_SCORES:
         return (f"Lq·Lk = {lq * lk} is below chunked.AUTO_MIN_SCORES = {AUTO_MIN_SCORES}: a dense kernel "
                 "is faster than compiling one at this size")
+    if call.q.device.type != "cpu":
+        return None
+    if not AUTO_CPU:
+        return "flex.AUTO_CPU = False"
+    if call.under_compile:
+        return "on the CPU inside torch.compile it was not measured (benchmarks/bench_flex.py runs it compiled alone)"
+    if call.q.dtype != torch.float32:
+        return f"on the CPU it was measured in float32 only (benchmarks/bench_flex.py), not {call.q.dtype}"
+    kinds = set() if call.mask is None else {p.kind for p in call.mask.parts}
+    if "documents" not in kinds:
+        return ("on the CPU it was measured faster than chunked for packed documents only: for causal it "
+                "ran 1.3-2.0x slower than sdpa (benchmarks/bench_flex.py); the other masks were not measured")
     return None
 
 
