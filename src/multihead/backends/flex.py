@@ -51,7 +51,7 @@ without compiling.
 inference in float32 on masks with packed documents, where sdpa declined the call (its dense
 mask over budget) and chunked would run: side by side in ``benchmarks/bench_flex.py`` (AMD EPYC,
 2 threads, torch 2.13) compiled flex took 0.20-0.63x chunked's time for 8 causal documents at
-L = 1024-4096, and 0.23-0.44x sdpa's with the dense mask, but 1.3-2.0x sdpa's for plain causal,
+L = 1024-8192, and 0.16-0.44x sdpa's with the dense mask, but 1.3-2.0x sdpa's for plain causal,
 besides a 5-20 s compile per new shape (:data:`AUTO_CPU` = False turns the CPU pick off). On
 CUDA it picks flex for what sdpa refuses or declines (score mods, sinks, masks whose dense tensor
 is over budget) at sizes where chunked would run, from torch's published figures (FlexAttention
