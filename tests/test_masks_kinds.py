@@ -296,6 +296,7 @@ KINDS = {
     "docs_cross": lambda: masks.documents(torch.tensor([0] * 12 + [1] * 18), torch.tensor([0] * 20 + [1] * 10)) & masks.window(6),
     "mask_mod": lambda: masks.mask_mod(lambda b, h, q, kv: ((q // 4 + kv // 5 + h) % 3 == 0) | (b == 1)),
     "padding": lambda: masks.key_padding(torch.arange(30).view(1, 30).expand(2, 30) < torch.tensor([[25], [12]])),
+    "torch_3d": lambda: masks.from_torch(attn_mask=torch.rand(6, 30, 30, generator=torch.Generator().manual_seed(1)) < 0.5),
     "alibi_keep": lambda: masks.alibi(masks.alibi_slopes(3)) & masks.keep(torch.rand(30, 30, generator=torch.Generator().manual_seed(0)) < 0.7),
 }
 
@@ -329,7 +330,7 @@ def test_tiles_agree_with_the_dense_mask(kind, bq, bk):
                 assert not want.any()
             elif state == "full":
                 assert want.all()
-            if kind in ("causal", "window", "chunked", "documents", "docs_cross", "padding") or (bq, bk) == (8, 8):
+            if kind in ("causal", "window", "chunked", "documents", "docs_cross", "padding", "torch_3d") or (bq, bk) == (8, 8):
                 assert state == ("empty" if not want.any() else "full" if want.all() else "partial"), (q0, k0)
 
 
@@ -380,7 +381,9 @@ def test_mask_mod_plans_itself_once_per_shape():
     n = len(calls)
     assert m.tile_state(128, 256, 0, 128, shape) == "full"
     assert len(calls) == n
-    assert m.key_span(0, 100, 300, 300) == (0, 128)  # from the plan's blocks
+    assert m.key_span(0, 100, 300, 300) == (0, 300)  # its own plans may be for other (B, H)
+    planned = m.with_plan(masks.block_plan(m, shape))
+    assert planned.key_span(0, 100, 300, 300) == (0, 128)  # a given plan narrows the span
 
 
 def test_reprs_say_what_each_kind_is():
@@ -396,3 +399,29 @@ def test_reprs_say_what_each_kind_is():
                  "sink(H=2, learned)", "score_mod(rel, tensors=[(2, 3)])", "mask_mod(_diagonal_band)",
                  "chunked_local(8", "sinks=2"):
         assert part in text, part
+
+
+# ---------------------------------------------------------------------- contexts
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "threads_1", "threads_8"])
+def test_score_kinds_in_every_context(context):
+    """softcap, a sink and a score_mod with a captured table give the float64 definition under
+    no_grad, inference_mode and 1 or 8 threads (the score mods run in the call's own context)."""
+    from oracle import torch_threads
+
+    make = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+            "threads_1": lambda: torch_threads(1), "threads_8": lambda: torch_threads(8)}[context]
+    table = torch.randn(4, 16, dtype=torch.float64)
+    logits = torch.randn(4, dtype=torch.float64)
+
+    def rel(s, b, h, q, kv):
+        return s + table[h, q - kv + 8]
+
+    def both(s, b, h, q, kv):
+        return 1.5 * torch.tanh(rel(s, b, h, q, kv) / 1.5)
+
+    m = masks.score_mod(rel) & masks.softcap(1.5) & masks.sink(logits) & masks.causal()
+    q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=7, D=8)
+    want = attention64_mods(q, k, v, keep=causal_keep(7, 7), score_fn=both, sink=logits)[0]
+    with make():
+        out = multihead.attention(q, k, v, mask=m)
+    assert (out - want).abs().max() <= 1e-12

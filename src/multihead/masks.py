@@ -91,7 +91,7 @@ it names, and the parameters of a module) as `Mask.tensors`, so a kernel can dif
 into them; pass ``tensors=`` to name them yourself.
 
 Block-wise use (the ``chunked`` backend): `Mask.key_span` says which keys a run of queries
-can see at all (the hull of what causal, window, documents, chunked_local and mask_mod leave),
+can see at all (the hull of what causal, window, documents, chunked_local and a given plan leave),
 so whole blocks outside it are never computed; `Mask.tile_state` says whether one tile is
 "empty", "full" or "partial" for the selecting parts (a kernel skips empty tiles and needs no
 keep tensor for full ones); `Mask.block` builds the keep and bias tensors of one tile only,
@@ -99,6 +99,13 @@ never the full (Lq, Lk) mask, and no keep at all where the selecting parts allow
 A mask_mod's tile states come from a `BlockPlan` (like FlexAttention's ``BlockMask``), computed
 once per shape from the function and kept on the object, so a mask shared by several layers
 plans once; `block_plan` makes one for any mask and `Mask.with_plan` attaches it.
+
+Details Contract A leaves open, as decided here: index tensors are int64; `Mask.apply_block`
+and `Mask.tensors` exist on every mask (all its score mods in written order; nothing without
+any); `Mask.tile_state` takes an optional ``device=`` (where a mask_mod plans, default its
+captured tensors' device or the CPU) and `Mask.check` an optional ``dtype=`` (the dtype the
+score mods are probed in); sink tokens are ``window(left, sinks=n)``; ``chunked_local`` is not
+causal by itself; a mask has at most one documents part and one sink part.
 
 Legend: B batch, H query heads, Lq/Lk query/key lengths, bq/bk a tile's query/key counts.
 """
@@ -348,8 +355,9 @@ class Mask:
     def key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         """Keys ``[lo, hi)`` that queries ``q0 .. q1-1`` may see at most (``lo >= hi``: none).
 
-        The hull of what causal, window, documents, chunked_local and mask_mod (from its block
-        plan) leave the rows; a tensor part may hide more keys inside it, which `block` masks.
+        The hull of what causal, window, documents and chunked_local leave the rows (and a block
+        plan given with `with_plan`, for its lengths); a tensor part or a mask_mod may hide more
+        keys inside it, which `tile_state` and `block` tell.
         """
         lo, hi = 0, lk
         if q1 <= q0:
@@ -366,6 +374,10 @@ class Mask:
                 return 0, 0
         for part in parts:
             plo, phi = part._key_span(q0, q1, lq, lk)
+            lo, hi = max(lo, plo), min(hi, phi)
+        plan = self.plan
+        if plan is not None and plan.shape[-2:] == (lq, lk):  # `check` holds B and H to the plan's
+            plo, phi = plan.key_span(q0, q1)
             lo, hi = max(lo, plo), min(hi, phi)
         return (lo, hi) if lo < hi else (0, 0)
 
@@ -1126,6 +1138,11 @@ class _TorchHeadsMask(Mask):
     def _additive_tensor(self, shape: Shape) -> Optional[torch.Tensor]:
         return None if self.tensor.dtype == torch.bool else self._unflatten(shape[1])
 
+    def _tile_state(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> int:
+        if self.tensor.dtype != torch.bool:  # a float mask adds, it selects nothing
+            return _FULL
+        return _state_of(~_tile(self._unflatten(shape[1]), q0, q1, k0, k1))  # True = masked out
+
     def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         return tuple(shape)
 
@@ -1229,12 +1246,6 @@ class MaskMod(Mask):
 
     def _tile_state(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> int:
         return TILE_STATES.index(self.own_plan(shape).tile_state(q0, q1, k0, k1))
-
-    def _key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
-        for (shape, _), plan in self._plans.items():  # a plan made for these lengths narrows the span
-            if shape[-2:] == (lq, lk):
-                return plan.key_span(q0, q1)
-        return 0, lk
 
     def __repr__(self) -> str:
         return f"mask_mod({_fn_name(self.fn)})"
