@@ -514,3 +514,26 @@ def test_compiled_training_matches_the_oracle_where_flex_trains(device, compilin
         verdict = judge(f"flex on {device}: {name}", got[i].cpu(), oracle[i], lambda dt, i=i: low[i] if dt == torch.float32
                         else naive(dt, True)[i], torch.float32, score_size=size, head_dim=16)
         assert verdict.ok, str(verdict)
+
+
+def test_inside_the_callers_torch_compile_fullgraph():
+    """The caller compiles (aot_eager: dynamo and AOTAutograd without generating C++), the backend
+    calls flex_attention as is inside that graph: no graph break, the oracle's values."""
+    q, k, v = random_qkv(B=2, H=2, Lq=200, D=16, dtype=torch.float32, seed=15)
+    pad = torch.ones(2, 200, dtype=torch.bool)
+    pad[0, 120:] = False
+    mask = masks.causal() & masks.key_padding(pad)
+
+    def f(q, k, v):
+        return multihead.attention(q, k, v, mask, backend="flex")
+
+    with torch.no_grad():
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    keep = (causal_keep(200, 200) & pad[:, None, None, :]).expand(2, 2, 200, 200)
+
+    def naive(dt):
+        return naive_attention(q, k, v, keep, None, SCALE, dt)
+
+    verdict = judge("flex inside torch.compile", out, naive(torch.float64), naive, torch.float32,
+                    score_size=score_size(q.double(), k.double(), keep, None, SCALE), head_dim=16)
+    assert verdict.ok, str(verdict)

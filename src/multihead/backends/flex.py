@@ -349,7 +349,9 @@ def tile_states(mask: Optional[Mask], shape: Shape, *, device: torch.device,
     """(empty, full): bool (nq, nk) grids over the tiles of ``block_size`` queries x keys of
     ``shape`` = (B, H, Lq, Lk); a tile in neither is partial (its mask_mod must be evaluated).
     A tile is empty or full only if it is so for every batch row and head (as `Mask.tile_state`
-    says; the structural parts are read for all tiles at once from their per-row intervals)."""
+    says; the structural parts are read for all tiles at once from their per-row intervals).
+    Inside torch.compile the other selecting parts are not read tile by tile (that branches on
+    their contents): a tile they could hide is partial."""
     full_shape = (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
     lq, lk = full_shape[2:]
     nq, nk = math.ceil(lq / block_size), math.ceil(lk / block_size)
@@ -361,6 +363,8 @@ def tile_states(mask: Optional[Mask], shape: Shape, *, device: torch.device,
     if structural is not None:
         empty, full = structural
     others = [p for p in mask.parts if not (p.is_structural or p.is_score_mod or p.kind in ("sink", "alibi", "bias"))]
+    if others and torch.compiler.is_compiling():  # traced: no branch on tile contents; a tile the
+        return empty, torch.zeros_like(full)     # other parts may hide is evaluated (partial)
     for i in range(nq):
         for j in range(nk):
             if empty[i, j]:
@@ -571,16 +575,17 @@ def _refuses(call: Call) -> Optional[str]:
     device = q.device.type
     if device not in ("cpu", "cuda"):
         return f"it runs on cpu and cuda, not {device}"
-    if not torch._dynamo.eval_frame.is_dynamo_supported():
+    inside = call.under_compile  # then dynamo runs already, and the platform checks cannot be traced
+    if not inside and not torch._dynamo.eval_frame.is_dynamo_supported():
         return "torch.compile is not supported on this Python/platform, and flex_attention needs it"
     if device == "cpu":
         if _grad_needed(call):
             return _TRAINING_ON_CPU
-        compiled = COMPILE or call.under_compile
+        compiled = COMPILE or inside
         if compiled and q.dtype not in CPU_DTYPES:
             return (f"torch's compiled flex_attention on the CPU takes float32, float16 or bfloat16, "
                     f"not {q.dtype}; use 'chunked' or 'reference'")
-        if compiled and not torch.cpu._is_avx2_supported():
+        if compiled and not inside and not torch.cpu._is_avx2_supported():
             return "torch's compiled flex_attention on the CPU needs AVX2, which this CPU lacks"
     if device == "cuda" and min(q.shape[-1], v.shape[-1]) < 16:
         return (f"torch's flex_attention kernels on CUDA need head dims >= 16, got D={q.shape[-1]}, "
