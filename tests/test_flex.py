@@ -537,3 +537,12 @@ def test_inside_the_callers_torch_compile_fullgraph():
     verdict = judge("flex inside torch.compile", out, naive(torch.float64), naive, torch.float32,
                     score_size=score_size(q.double(), k.double(), keep, None, SCALE), head_dim=16)
     assert verdict.ok, str(verdict)
+
+
+def test_a_trace_records_the_fused_step_with_flex_and_its_tiles():
+    q, k, v = random_qkv(B=1, H=2, Lq=300, D=16, dtype=torch.float32, seed=16)
+    with torch.no_grad(), multihead.trace() as tr:
+        multihead.attention(q, k, v, masks.causal(), backend="flex")
+    params = tr.step(multihead.steps.FUSED_ATTENTION).params
+    assert params["backend"] == "flex" and params["kernel"] == "torch flex_attention unfused"  # tests run unfused
+    assert (params["tiles_computed"], params["tiles_total"], params["lk"]) == (6, 9, 300)

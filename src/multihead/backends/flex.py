@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import steps as _steps
 from .. import trace as _trace
 from .. import masks as _masks
 from .._checks import check_positive_int
@@ -544,11 +545,15 @@ def _backend_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
     out: torch.Tensor = run(q, k, v, mask, scale=scale)
     tr = _trace.current()
     if tr is not None:
-        tr.record(
-            "fused attention (scores, scale, mask, softmax, weights × V)", out,
-            "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
-            note=f"torch flex_attention, {_describe(Call(q, k, v, mask, dropout_p))}",
-        )
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        computed = total = None
+        if mask is not None and q.shape[2] and k.shape[2]:
+            empty, _ = tile_states(mask, shape, device=q.device)
+            computed, total = int((~empty).sum()), empty.numel()
+        tr.record(_steps.FUSED_ATTENTION, out, params={
+            "backend": "flex", "kernel": "torch flex_attention " + ("compiled" if COMPILE else "unfused"),
+            "tiles_computed": computed, "tiles_total": total, "lk": k.shape[2], "head_dim": q.shape[-1],
+        })
     return out
 
 
