@@ -21,3 +21,10 @@ settings.register_profile(
     suppress_health_check=_SLOW_OK, print_blob=True,
 )
 settings.load_profile("default")
+
+# The flex backend compiles a kernel per new graph (5-40 s each on the CPU); across the suites that
+# run every backend it would take many minutes. There it runs torch's unfused FlexAttention (the same
+# translation of the masks, not compiled); tests/test_flex.py runs the compiled path itself.
+from multihead.backends import flex as _flex  # noqa: E402
+
+_flex.COMPILE = False

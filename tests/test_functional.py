@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import multihead as mh
 from multihead import masks
-from oracle import judge, naive_attention, score_size
+from oracle import attention_or_refusal, judge, naive_attention, score_size
 from ref64 import attention64, causal_keep, window_keep, random_qkv
 
 BACKENDS = [n for n in mh.backends.names() if n != "auto"] + ["auto"]
@@ -104,6 +104,8 @@ def test_low_precision_error_within_twice_naive(dtype, backend, causal):
 def test_gradcheck_float64(backend, kind):
     q, k, v = qkv(B=1, H=2, Hkv=1, Lq=3, Lk=4, D=3, grad=True, seed=5)
     m, keep, bias = dense_mask(kind, 1, 2, 3, 4, torch.Generator().manual_seed(2))
+    if attention_or_refusal(backend, q, k, v, m) is None:  # a backend that cannot train here says so
+        return
     if bias is not None:
         bias = bias.clone().requires_grad_(True)
 
@@ -122,7 +124,9 @@ def test_fully_masked_rows_give_zero_output_and_finite_grads(backend, dtype):
     keep = torch.ones(2, 1, 4, 5, dtype=torch.bool)
     keep[0, :, 1] = False  # row 1 of batch 0: no key at all
     keep[1, :, 3] = False
-    out = mh.attention(q, k, v, keep, backend=backend)
+    out = attention_or_refusal(backend, q, k, v, keep)
+    if out is None:  # a backend that cannot train here says so
+        return
     assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
     assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3]))
     assert out[0, :, 0].abs().sum() > 0
@@ -205,7 +209,12 @@ def test_explain_dispatch_names_the_choice():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_sequences_give_defined_results(backend):
     q, k, v = qkv(Lq=3, Lk=4, grad=True)
-    out = mh.attention(q, k[:, :, :0], v[:, :, :0], backend=backend)
+    out = attention_or_refusal(backend, q, k[:, :, :0], v[:, :, :0])
+    if out is None:  # a backend that cannot train here says so; it must still run without gradients
+        with torch.no_grad():
+            out = mh.attention(q, k[:, :, :0], v[:, :, :0], backend=backend)
+        assert out.shape == (2, 4, 3, 8) and torch.equal(out, torch.zeros_like(out))
+        return
     assert out.shape == (2, 4, 3, 8) and torch.equal(out, torch.zeros_like(out))
     out.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q))

@@ -70,7 +70,9 @@ def test_module_with_logits_beyond_half_range(backend, dtype):
     mha = mha.to(dtype)
     x = huge_logit_tokens(dtype)[0]
     for m in (mha, mha.to_per_head()):
-        out = m(x)
+        out = module_or_refusal(backend, m, x)
+        if out is None:  # a backend that cannot run with trainable parameters here says so
+            continue
         assert torch.isfinite(out).all()
         assert (out.double() - x.double()).abs().max() <= FLOOR_ULPS * eps(dtype) * 40
 

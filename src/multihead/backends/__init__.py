@@ -23,7 +23,7 @@ import torch
 from .. import trace as _trace
 from ..masks import Mask
 
-BackendName = Literal["auto", "reference", "sdpa", "chunked"]
+BackendName = Literal["auto", "reference", "sdpa", "chunked", "flex"]
 """The built-in backends' names, the type of ``backend=``; at run time any registered name (a
 backend added with `register` included) is accepted, and an unknown one is a ValueError."""
 
@@ -154,3 +154,4 @@ def _resolve(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
 from . import reference as _reference  # noqa: E402  (registers itself)
 from . import sdpa as _sdpa  # noqa: E402
 from . import chunked as _chunked  # noqa: E402
+from . import flex as _flex  # noqa: E402
