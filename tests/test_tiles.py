@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import backends
-from multihead.backends import chunked
+from multihead.backends import _tiles, chunked
 from multihead.backends.chunked import chunked_attention
 from oracle import MaskPart, combine, one_thread, torch_threads
 from test_properties import Case, Oracle, assert_agrees, forward_backward, oracle_run
@@ -57,7 +57,7 @@ def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> No
         assert_agrees(f"{name} tiles {block_q}x{block_k} ({path})", out, grads, oracle, case.dtype)
 
 
-#: how the tiles are computed: (chunked.PANEL_SCORES, torch threads). "panels": the calling
+#: how the tiles are computed: (_tiles.PANEL_SCORES, torch threads). "panels": the calling
 #: thread merges tiles into panels; "tiles": one tile at a time; "threads": 3 threads share
 #: the query blocks (each single-threaded, so this module's one-thread rule still holds)
 PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
@@ -65,15 +65,15 @@ PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
 
 @contextlib.contextmanager
 def panel_budget(scores):
-    """:data:`chunked.PANEL_SCORES` set to ``scores`` (None: left as it is)."""
+    """:data:`_tiles.PANEL_SCORES` set to ``scores`` (None: left as it is)."""
     if scores is None:
         yield
         return
-    before, chunked.PANEL_SCORES = chunked.PANEL_SCORES, scores
+    before, _tiles.PANEL_SCORES = _tiles.PANEL_SCORES, scores
     try:
         yield
     finally:
-        chunked.PANEL_SCORES = before
+        _tiles.PANEL_SCORES = before
 
 
 def make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=0) -> Case:
