@@ -331,7 +331,7 @@ def _causal_work(rank, world, n, layout):
     total = 0
     for step in range(world):
         k_segs = _segments((rank - step) % world, world, n, layout)
-        total += sum(qs[2] * ks[2] for qs, ks, _, _ in _block_pairs(q_segs, k_segs, True, "cpu"))
+        total += sum(qs[2] * ks[2] for qs, ks, _ in _block_pairs(q_segs, k_segs, True))
     return total
 
 
