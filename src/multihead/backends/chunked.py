@@ -152,11 +152,15 @@ def _selected_weights(q, k, mask: Optional[Mask], *, scale: float, heads: Sequen
 
 
 def _backend_fn(q, k, v, mask, *, scale, dropout_p):
+    return _backend_lse_fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
+
+
+def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
     if dropout_p > 0:
         raise ValueError(f"the chunked backend does not do dropout (got dropout_p={dropout_p}); "
                          "use backend='sdpa' or 'reference' for dropout")
     before = BLOCKS_COMPUTED["forward"]
-    out = chunked_attention(q, k, v, mask, scale=scale)
+    out, lse = chunked_attention(q, k, v, mask, scale=scale, return_lse=True)
     tr = _trace.current()
     if tr is not None:
         groups = q.shape[1] // k.shape[1]
@@ -167,9 +171,9 @@ def _backend_fn(q, k, v, mask, *, scale, dropout_p):
             "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
             note=(f"multihead chunked online softmax, tiles of {bq} queries × {bk} keys: "
                   f"{BLOCKS_COMPUTED['forward'] - before} computed of about {total} "
-                  "(tiles a causal/window mask hides are skipped)"),
+                  "(tiles the mask hides are skipped)"),
         )
-    return out
+    return out, lse
 
 
 def _refuses(call: Call) -> Optional[str]:
@@ -200,6 +204,7 @@ BACKEND = register(
         refuses=_refuses,
         summary="online softmax over tiles in PyTorch; skips masked-out tiles; O(L) memory in training too",
         auto_declines=_auto_declines,
+        lse_fn=_backend_lse_fn,
     ),
     auto_rank=1,
 )
