@@ -305,12 +305,32 @@ class MultiHeadAttention(nn.Module):
             )
         cache._check_step(query.shape[0], query.shape[1], query.device)
 
-    def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True):
+    def _check_positions(self, positions: object, batch: int, lq: int, device) -> torch.Tensor:
+        """forward's ``positions=``: (B, Lq) or (Lq,) ints >= 0, for a module with rope."""
+        if self.rope is None:
+            raise ValueError("positions= gives RoPE positions, but this module has rope=False; build it with rope=True")
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+            raise TypeError(
+                f"positions must be an integer torch.Tensor (B, Lq) or (Lq,), got "
+                f"{getattr(positions, 'dtype', type(positions).__name__)}; use torch.tensor(positions)"
+            )
+        if tuple(positions.shape) not in ((lq,), (batch, lq)):
+            raise ValueError(
+                f"positions must be (B, Lq) = {(batch, lq)} or (Lq,) = ({lq},), one per query token, "
+                f"got {tuple(positions.shape)}"
+            )
+        if positions.device != device:
+            raise ValueError(f"positions are on {positions.device} but the input is on {device}; move them with .to()")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+        return positions.long()
+
+    def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True, dtype=None):
         """The call's mask checked against (B, H, Lq, Lk), combined with the module's causal mask
         (unless ``causal=False``: with a cache, the cache's own mask says what each token sees)."""
         m = _masks.as_mask(mask)
         if m is not None:
-            m.check((batch, self.config.num_heads, lq, lk), device)
+            m.check((batch, self.config.num_heads, lq, lk), device, dtype=dtype)
         # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
         if causal and self._causal_mask is not None and (m is not None or lq > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
@@ -319,19 +339,19 @@ class MultiHeadAttention(nn.Module):
     @overload
     def forward(
         self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
-        mask: _masks.MaskLike = None, return_weights: Literal[False] = False, cache: Optional[KVCache] = None,
+        mask: _masks.MaskLike = None, return_weights: Literal[False] = False, cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor: ...
 
     @overload
     def forward(
         self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
-        mask: _masks.MaskLike = None, return_weights: Literal[True], cache: Optional[KVCache] = None,
+        mask: _masks.MaskLike = None, return_weights: Literal[True], cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
     def forward(
         self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
-        mask: _masks.MaskLike = None, return_weights: bool = False, cache: Optional[KVCache] = None,
+        mask: _masks.MaskLike = None, return_weights: bool = False, cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def forward(
@@ -343,6 +363,7 @@ class MultiHeadAttention(nn.Module):
         mask: _masks.MaskLike = None,
         return_weights: bool = False,
         cache: Optional[KVCache] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -362,6 +383,13 @@ class MultiHeadAttention(nn.Module):
                 ones), so no mask is needed at any step. A ``mask`` given too must fit
                 Lk = len(cache) after the write (KVCache) or Lk = max_len (StaticKVCache). The
                 output equals the last Lq rows of a full causal forward over the whole sequence.
+            positions: (B, Lq) or (Lq,) integer RoPE positions of the query tokens, for a module
+                with rope; e.g. restarting at 0 for every document packed into a row (with
+                ``mask=masks.documents(ids)``). Default: 0 .. Lq-1, or the cache's positions.
+                With a cache they are the positions the new tokens are rotated at and written to
+                the cache with (the cached keys keep the rotation of their own step); which keys
+                each token sees is still the cache's order and the mask's (a new document in a
+                cache: ``masks.documents(q_ids, kv_ids)`` hides the earlier ones).
 
         Returns:
             (B, Lq, d_out), or ``(out, weights)``.
@@ -369,19 +397,22 @@ class MultiHeadAttention(nn.Module):
         key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
         batch, lq = query.shape[0], query.shape[1]
-        positions: Union[int, torch.Tensor] = 0
+        given = None if positions is None else self._check_positions(positions, batch, lq, query.device)
+        at: Union[int, torch.Tensor] = 0
         lk, bound = key.shape[1], None
         if cache is not None:
             self._check_cache(cache, query, key, value)
-            positions, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
-        m = self._mask(mask, batch, lq, lk, query.device, causal=cache is None)
+            at, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
+        if given is not None:  # any (Lq,) or (B, Lq) ints, looked up below their own bound
+            at, bound = given, (int(given.max()) + 1 if given.numel() else 1)
+        m = self._mask(mask, batch, lq, lk, query.device, causal=cache is None, dtype=query.dtype)
         tr = _trace.current()
         if tr is not None:
             tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
             tr.record("input", query, None, ("b", "t", "d_in"))
         q, k, v = self._project(query, key, value, tr)
         if self.rope is not None:
-            q, k = self._rotate(q, k, positions, tr, bound=bound)
+            q, k = self._rotate(q, k, at, tr, bound=bound)
         if cache is not None:
             k, v, m = self._write_cache(cache, k, v, m, tr)
         o, weights = self._attend(q, k, v, m, return_weights, tr)

@@ -186,6 +186,11 @@ def _refuses(call: Call) -> Optional[str]:
         return ("inside torch.compile its tiles branch on the data (shifts redone, rows without a "
                 "visible key) and run on Python threads, which dynamo cannot trace; 'auto' runs sdpa "
                 "or reference there")
+    if call.mask is not None:
+        tiled = [repr(p) for p in call.mask.parts if p.is_score_mod or p.kind in ("sink", "alibi")]
+        if tiled:
+            return (f"its tiles do not apply {' & '.join(tiled)} yet (score mods, sinks and alibi); "
+                    "use backend='reference'")
     return None
 
 

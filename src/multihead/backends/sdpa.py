@@ -194,6 +194,20 @@ def sdpa_attention(
 def _refuses(call: Call) -> Optional[str]:
     if call.need_weights:
         return "it does not return the attention weights (only 'reference' does)"
+    return refuses_score_kinds(call.mask)
+
+
+def refuses_score_kinds(mask: Optional[Mask]) -> Optional[str]:
+    """Why SDPA cannot run ``mask``: it has score mods or a sink (SDPA adds one dense mask to
+    its scores and nothing else); None when it can."""
+    if mask is None:
+        return None
+    kinds = [repr(p) for p in mask.score_mods]
+    if mask.sink_logits is not None:
+        kinds.append(next(repr(p) for p in mask.parts if p.kind == "sink"))
+    if kinds:
+        return (f"torch's scaled_dot_product_attention cannot apply {' & '.join(kinds)} "
+                "(score mods and sinks change the softmax itself); use backend='chunked' or 'reference'")
     return None
 
 
