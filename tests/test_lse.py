@@ -47,7 +47,7 @@ def padded_causal(B, Lq, Lk, pad):
     return causal_keep(Lq, Lk) & real[:, None, None, :], real
 
 
-@pytest.mark.parametrize("backend", ["chunked"])
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
 def test_return_lse_matches_the_definition(backend):
     q, k, v = random_qkv(B=2, H=4, Hkv=2, Lq=9, Lk=11, D=6, seed=1)
     keep, real = padded_causal(2, 9, 11, [0, 5])  # row b=1: the first queries see no key

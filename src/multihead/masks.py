@@ -1120,6 +1120,11 @@ class _TorchHeadsMask(Mask):
     def _additive_tensor(self, shape: Shape) -> Optional[torch.Tensor]:
         return None if self.tensor.dtype == torch.bool else self._unflatten(shape[1])
 
+    def _tile_state(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> int:
+        if self.tensor.dtype != torch.bool:  # a float mask adds, it selects nothing
+            return _FULL
+        return _state_of(~_tile(self._unflatten(shape[1]), q0, q1, k0, k1))  # True = masked out
+
     def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         return tuple(shape)
 

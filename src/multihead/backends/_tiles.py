@@ -88,7 +88,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
-from ..masks import Mask, split_additive
+from ..masks import AllOf, Mask, split_additive
 
 __all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "BF16_PRODUCTS", "Tiles", "attend", "merge",
            "with_sink", "native_bf16", "cpu_features", "bf16_products"]
@@ -111,6 +111,8 @@ BF16_PRODUCTS: Optional[bool] = None
 BLOCKS_COMPUTED: Counter = Counter()
 
 _NEG_INF = float("-inf")
+#: the kinds of mask part that only select (hide scores), never add to them
+_SELECTING = frozenset({"keep", "padding", "mask_mod", "sink", "score_mod", "softcap"})
 #: /proc/cpuinfo flags that mean native bfloat16 matrix products
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -177,6 +179,10 @@ class Tiles:
         self.cdt = compute_dtype(q.dtype)
         self.scale = scale
         self.rest, self.biases, self.mods = rest, tuple(biases), tuple(mods)
+        # for tiles the mask shows whole: the parts that may still add to the scores (ALiBi,
+        # torch masks), so that no selecting part (e.g. a mask_mod) is evaluated there
+        adding = [] if rest is None else [p for p in rest.parts if not p.is_structural and p.kind not in _SELECTING]
+        self.rest_adding: Optional[Mask] = None if not adding else adding[0] if len(adding) == 1 else AllOf(adding)
         self.mask_shape = tuple(mask_shape)
         self.mask_heads = mask_heads
         self.q = self.group_rows(q.to(self.cdt) * scale)
@@ -236,8 +242,9 @@ class Tiles:
         nq = r1 - r0
         tiles = [(_tile4(b, a0, a0 + nq, k0, k1), False) for b in self.biases]  # heads picked already
         keep = None
-        if self.rest is not None:
-            mt = self.rest.block(a0, a0 + nq, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt)
+        part = self.rest_adding if whole else self.rest
+        if part is not None:
+            mt = part.block(a0, a0 + nq, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt)
             keep = None if whole else mt.keep
             if mt.bias is not None:
                 tiles.append((mt.bias, True))
@@ -288,7 +295,7 @@ class Tiles:
         else:
             panel_queries = self.block_q
         return [_plan(self.blocks[w::workers], self.Lk, self.rest, self.block_k, self.mask_shape,
-                      max(self.block_q, panel_queries)) for w in range(workers)]
+                      max(self.block_q, panel_queries), self.q.device) for w in range(workers)]
 
     # -- passes
     def forward(self):
@@ -466,7 +473,7 @@ class _TiledAttention(torch.autograd.Function):
         biases, mod_tensors = tensors[:ctx.n_biases], tensors[ctx.n_biases:]
         # the tensors the mods' closures read, as they hold them (autograd.grad needs those very
         # objects, not the saved copies)
-        captured = [t for m in ctx.mods for t in m.tensors]
+        captured = _mod_tensors(ctx.mods)
         wanted = [i for i in range(len(mod_tensors)) if ctx.needs_input_grad[7 + ctx.n_biases + i]]
         with torch.no_grad(), outside_autocast(q.device.type):
             tiles = Tiles(q, k, v, ctx.rest, tuple(biases), ctx.mods, **ctx.options)
@@ -498,17 +505,28 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     rest, biases = split_additive(mask, mask_shape)
     if mask_heads is not None:
         biases = tuple(b if b.shape[1] == 1 else b[:, list(mask_heads)] for b in biases)
-    mods = tuple(getattr(mask, "score_mods", ())) if mask is not None else ()
-    mod_tensors = tuple(t for m in mods for t in m.tensors)
+    if rest is not None and mask is not None and mask.plan is not None and rest.plan is None:
+        rest = rest.with_plan(mask.plan)  # the plan is of the selecting parts, which rest keeps
+    mods = mask.score_mods if mask is not None else ()
+    mod_tensors = _mod_tensors(mods)
     options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=tuple(mask_shape),
                    positions=None if positions is None else [int(p) for p in positions],
                    mask_heads=None if mask_heads is None else list(mask_heads),
                    bf16=bf16_products(q.dtype, q.device))
     out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)
-    sink = getattr(mask, "sink_logits", None) if mask is not None else None
+    sink = mask.sink_logits if mask is not None else None
     if sink is not None:
         out, lse = with_sink(out, lse, sink)
     return out.to(q.dtype), lse
+
+
+def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:
+    """The tensors the score mods read, each once (a tensor two mods read gets one gradient)."""
+    seen: dict[int, torch.Tensor] = {}
+    for m in mods:
+        for t in m.tensors:
+            seen.setdefault(id(t), t)
+    return tuple(seen.values())
 
 
 def with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
@@ -684,7 +702,7 @@ def _query_blocks(lq, block_q, positions):
             for start, stop, abs0 in runs for r0 in range(start, stop, block_q)]
 
 
-def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries):
+def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries, device):
     """The panels of the query ``blocks`` in the order they are computed:
     ``[(k0, k1, r0, r1, a0, whole, tiles), ...]``, keys k0..k1-1 (one key block) x local query
     rows r0..r1-1 at absolute positions a0.. (``tiles`` query blocks of them), key blocks left
@@ -704,7 +722,12 @@ def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries):
         lo, hi = (0, lk) if rest is None else rest.key_span(a0, a1, mlq, mlk)
         for k0 in range(max(lo, 0) // block_k * block_k, hi if lo < hi else 0, block_k):
             k1 = min(lk, k0 + block_k)
-            state = "full" if rest is None else _tile_state(rest, a0, a1, k0, k1, mask_shape)
+            if rest is None:
+                state = "full"
+            elif device.type == "meta":  # tensor parts would read data: compute every tile in the span
+                state = "partial"
+            else:
+                state = rest.tile_state(a0, a1, k0, k1, mask_shape, device=device)
             if state == "empty":
                 skipped += 1
                 continue
@@ -719,14 +742,6 @@ def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries):
         BLOCKS_COMPUTED["skipped"] += skipped
     return [(k0, min(lk, k0 + block_k), r0, r1, a0, whole, tiles)
             for k0 in sorted(columns) for r0, r1, a0, whole, tiles in columns[k0]]
-
-
-def _tile_state(rest: Mask, q0, q1, k0, k1, mask_shape) -> str:
-    """``rest.tile_state(...)``: "empty", "full" or "partial"."""
-    tile_state = getattr(rest, "tile_state", None)
-    if tile_state is not None:
-        return tile_state(q0, q1, k0, k1, mask_shape)
-    return "partial"
 
 
 def _runs(positions: Sequence[int]):

@@ -94,9 +94,9 @@ def chunked_attention(
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if mask_shape is None else tuple(mask_shape)
     m = as_mask(mask)
     if m is not None:
-        m.check(shape, q.device)
+        m.check(shape, q.device, dtype=q.dtype)
     if mask_heads is not None and list(mask_heads) != list(range(shape[1])) and m is not None \
-            and getattr(m, "score_mods", ()):
+            and m.score_mods:
         raise ValueError("attention_weights(heads=...) cannot apply a score_mod to a subset of the heads; "
                          "select the heads from attention_weights(...) without heads=")
     out, lse = _tiles.attend(q, k, v, m, scale=scale, block_q=block_q, block_k=block_k, mask_shape=shape,
@@ -141,8 +141,7 @@ def _selected_weights(q, k, mask: Optional[Mask], *, scale: float, heads: Sequen
                 mt = mask.block(a0, a0 + r1 - r0, 0, Lk, shape, device=q.device, dtype=cdt)
                 if mt.bias is not None:
                     s = s + (mt.bias if mt.bias.shape[1] == 1 else mt.bias[:, heads])
-                for mod in getattr(mask, "score_mods", ()):  # all heads (chunked_attention checked)
-                    s = mod.apply_block(s, a0, a0 + r1 - r0, 0, Lk, shape)
+                s = mask.apply_block(s, a0, a0 + r1 - r0, 0, Lk, shape)  # all heads (chunked_attention checked)
                 if mt.keep is not None:
                     s = s.masked_fill(~(mt.keep if mt.keep.shape[1] == 1 else mt.keep[:, heads]), _NEG_INF)
             pieces.append(torch.exp(s - lse[:, :, r0:r1]))
@@ -186,11 +185,6 @@ def _refuses(call: Call) -> Optional[str]:
         return ("inside torch.compile its tiles branch on the data (shifts redone, rows without a "
                 "visible key) and run on Python threads, which dynamo cannot trace; 'auto' runs sdpa "
                 "or reference there")
-    if call.mask is not None:
-        tiled = [repr(p) for p in call.mask.parts if p.is_score_mod or p.kind in ("sink", "alibi")]
-        if tiled:
-            return (f"its tiles do not apply {' & '.join(tiled)} yet (score mods, sinks and alibi); "
-                    "use backend='reference'")
     return None
 
 
