@@ -676,7 +676,7 @@ def _exp_(s: torch.Tensor) -> torch.Tensor:
     the results at the floor set to 0. Every caller exponentiates scores minus a shift at least
     their row's max or lse, so the row sums hold a term 1 (or sum to 1), and a term below
     exp(-80) relative to them is below the rounding of float32 and float64 alike."""
-    return torch.nn.functional.threshold_(s.clamp_(min=EXP_FLOOR).exp_(), _EXP_FLOOR_VALUE, 0.0)
+    return torch.threshold_(s.clamp_(min=EXP_FLOOR).exp_(), _EXP_FLOOR_VALUE, 0.0)
 
 
 def _tile4(t: torch.Tensor, q0, q1, k0, k1) -> torch.Tensor:

@@ -148,7 +148,7 @@ def attend(
     *,
     scale: float,
     dropout_p: float,
-    lse: Optional[list] = None,
+    lse: Optional[list[torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference forward, returning ``(out, weights)``; weights are those applied (after dropout).
     A list given as ``lse`` receives the rows' log-sum-exp (B, H, Lq) (of the scores, before dropout)."""
@@ -185,7 +185,7 @@ def reference_attention(
 def reference_attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lse: list = []
+    lse: list[torch.Tensor] = []
     out = attend(q, k, v, mask, scale=scale, dropout_p=dropout_p, lse=lse)[0]
     return out, lse[0]
 
