@@ -196,6 +196,19 @@ def _auto_declines(call: Call) -> Optional[str]:
     return None
 
 
+def _describe(call: Call) -> str:
+    """explain_dispatch's ``how``: the tiles, the products' dtype and the CPU features they follow."""
+    groups = call.q.shape[1] // call.k.shape[1]
+    cdt = compute_dtype(call.q.dtype)
+    if _tiles.bf16_products(call.q.dtype, call.q.device):
+        products = "bfloat16 matrix products, softmax and sums in float32"
+    else:
+        products = f"matrix products, softmax and sums in {str(cdt).replace('torch.', '')}"
+    where = f"; CPU {_tiles.cpu_features()}" if call.q.device.type == "cpu" else ""
+    return (f"online softmax over tiles of {default_block_q(groups)} queries x {BLOCK_K} keys, "
+            f"{products}; tiles the mask hides are skipped{where}")
+
+
 BACKEND = register(
     Backend(
         name="chunked",
@@ -203,6 +216,7 @@ BACKEND = register(
         refuses=_refuses,
         summary="online softmax over tiles in PyTorch; skips masked-out tiles; O(L) memory in training too",
         auto_declines=_auto_declines,
+        describe=_describe,
         lse_fn=_backend_lse_fn,
     ),
     auto_rank=1,
