@@ -691,6 +691,7 @@ def test_explain_dispatch_says_which_products_the_tiles_use_and_the_cpu_features
     bfloat16 inputs on a CPU with bf16 units, or when forced) and the CPU features it read."""
     q = torch.randn(1, 2, 8, 4).bfloat16()
     m = masks.causal() & masks.softcap(5.0)  # sdpa refuses a score mod: auto runs chunked
+    monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
     monkeypatch.setattr(_tiles, "BF16_PRODUCTS", False)
     how = mh.explain_dispatch(q, q, q, m).how
     assert "products, softmax and sums in float32" in how and _tiles.cpu_features() in how
