@@ -273,7 +273,7 @@ _TAG_GRAD = 8  # dk, dv travelling home
 #   2-7          B, H, Hkv, Lk, D, Dv of q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)
 #   8 dtype      index in _DTYPES
 #   9 device     the device type's name (e.g. "cpu", "cuda"), ASCII, first 8 bytes, little-endian
-#  10 padding    1 if a key padding tensor travels with the keys, else 0
+#  10 padding    bit 0: a key padding tensor travels with the keys; bit 1: document ids do
 #  11 causal     1 or 0
 #  12 layout     index in LAYOUTS with causal masking, -1 without (the layout is then unused)
 #  13 scale      the float64 bits of the scale, as an int64 (compared bit for bit)
@@ -316,7 +316,8 @@ _FIELDS = (
     ("value head dim Dv", str, _SAME_MODEL),
     ("dtype", lambda c: str(_DTYPES[c]), "cast q, k and v to one dtype on every rank, e.g. .to(torch.bfloat16)"),
     ("device type", _unpack_name, "put every rank's q, k and v on the same kind of device (each rank its own GPU, or all on CPU)"),
-    ("key padding", lambda c: ("no", "yes")[c], "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding)"),
+    ("key padding, document ids", lambda c: f"padding {('no', 'yes')[c & 1]}, documents {('no', 'yes')[c >> 1 & 1]}",
+     "pass mask=masks.key_padding(keep) and masks.documents(ids) on every rank or on none (keep all True on a shard without padding)"),
     ("causal", lambda c: str(bool(c)), "pass the same causal= on every rank (mask=masks.causal() counts as causal=True)"),
     ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]), "pass the layout the shards were cut with, the same on every rank"),
     ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
@@ -330,7 +331,8 @@ def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> 
     B, H, _, D = q.shape
     return [
         _FORMAT, _PASSES.index(phase), B, H, k.shape[1], k.shape[2], D, v.shape[-1],
-        _DTYPES.index(q.dtype), _pack_name(q.device.type), keep is not None, spec.causal,
+        _DTYPES.index(q.dtype), _pack_name(q.device.type), int(keep is not None) | (2 if spec.ids is not None else 0),
+        spec.causal,
         LAYOUTS.index(spec.layout) if spec.causal else -1, _float_bits(spec.scale), records_graph,
     ]
 
@@ -421,19 +423,37 @@ def _block_pairs(q_segs, k_segs, causal: bool):
                 yield qs, ks, True
 
 
-def _pieces(q_segs, k_segs, causal, q, k, v, keep):
-    """(query rows, q, k, v, keep, diagonal, key rows) of each pair of :func:`_block_pairs`."""
+def _block(k, v, keep, ids) -> list[torch.Tensor]:
+    """What travels round the ring: k, v, and the key padding and document ids when given."""
+    return [k, v] + ([] if keep is None else [keep]) + ([] if ids is None else [ids])
+
+
+def _unblock(block, has_keep: bool, has_ids: bool):
+    """(keep, ids) of a received :func:`_block`, each None when not sent."""
+    rest = iter(block[2:])
+    return (next(rest) if has_keep else None), (next(rest) if has_ids else None)
+
+
+def _pieces(q_segs, k_segs, causal, q, k, v, keep, q_ids=None, k_ids=None):
+    """(query rows, q, k, v, keep, diagonal, key rows, (q ids, k ids) or None) of each pair of
+    :func:`_block_pairs`."""
     for (ql, _, qn), (kl, _, kn), diagonal in _block_pairs(q_segs, k_segs, causal):
         yield (
             slice(ql, ql + qn), q[..., ql:ql + qn, :], k[..., kl:kl + kn, :], v[..., kl:kl + kn, :],
             None if keep is None else keep[:, kl:kl + kn], diagonal, slice(kl, kl + kn),
+            None if q_ids is None else (q_ids[:, ql:ql + qn], k_ids[:, kl:kl + kn]),
         )
 
 
-def _block_tiles(q, k, v, keep, diagonal: bool, scale: float) -> _tiles.Tiles:
+def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None) -> _tiles.Tiles:
     """The tile kernel's problem for q (B, H, n, D) against one key segment k (B, Hkv, m, D),
-    v (B, Hkv, m, Dv), with key padding ``keep`` (B, m) or None, causal when ``diagonal``."""
+    v (B, Hkv, m, Dv), with key padding ``keep`` (B, m) or None, document ids ``(q ids (B|1, n),
+    k ids (B|1, m))`` or None, causal when ``diagonal`` (the segments hold the same positions,
+    so causal per document is causal by position there)."""
     mask = None if keep is None else _masks.key_padding(keep)
+    if ids is not None:
+        docs = _masks.documents(ids[0], ids[1])
+        mask = docs if mask is None else docs & mask
     if diagonal:
         mask = _masks.causal() if mask is None else _masks.causal() & mask
     groups = q.shape[1] // k.shape[1]
@@ -442,25 +462,25 @@ def _block_tiles(q, k, v, keep, diagonal: bool, scale: float) -> _tiles.Tiles:
                         bf16=_tiles.bf16_products(q.dtype, q.device))
 
 
-def _attend_block(q, k, v, keep, diagonal, scale, out, lse):
+def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None):
     """Merge attention of q to one key segment into the running ``out`` and ``lse``, in place.
 
     q (B, H, n, D), k (B, Hkv, m, D), v (B, Hkv, m, Dv) as the caller has them; out
     (B, H, n, Dv) and lse (B, H, n) in the compute dtype accumulate over segments (lse = -inf:
     no visible key yet).
     """
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
     block_out, block_lse = tiles.forward()
     merged_out, merged_lse = _tiles.merge([out, tiles.ungroup_rows(block_out)], [lse, tiles.ungroup_lse(block_lse)])
     out.copy_(merged_out)
     lse.copy_(merged_lse)
 
 
-def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv):
+def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None):
     """Add this key segment's share of the gradients into dq (B, H, n, D) (local) and dk
     (B, Hkv, m, D), dv (B, Hkv, m, Dv) (the segment's), in place; out, lse, dout are the
     whole sequence's (compute dtype), so p = exp(s - lse) are the final softmax weights."""
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
     dqs, dks, dvs, _, _ = tiles.backward(tiles.group_rows(out), tiles.group_lse(lse), tiles.group_rows(dout), None)
     dq += tiles.ungroup_rows(dqs)
     dk += dks.view(dk.shape)
@@ -470,8 +490,10 @@ def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, d
 class _Spec:
     """What the ring needs besides the tensors: the group, layout and masking choices."""
 
-    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float):
+    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float, ids: Optional[torch.Tensor] = None):
         self.ring, self.causal, self.layout, self.scale = ring, causal, layout, scale
+        #: this rank's (B|1, L/P) document ids (masks.documents), or None; they travel with the keys
+        self.ids = ids
 
     def segments(self, owner: int, local_len: int):
         if not self.causal:
@@ -488,16 +510,16 @@ class _RingAttention(torch.autograd.Function):
         out = q.new_zeros(B, H, Lq, v.shape[-1], dtype=cdt)
         lse = q.new_full((B, H, Lq), _NEG_INF, dtype=cdt)
         q_segs = spec.segments(ring.rank, Lq)
-        block = [k, v] + ([] if keep is None else [keep])
+        block = _block(k, v, keep, spec.ids)
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
             pending = None
             if step < ring.size - 1:  # start passing the block on while computing with it
                 pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
-            kp = block[2] if keep is not None else None
-            for qsl, qb, kb, vb, kps, diagonal, _ in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
-                                                             q, block[0], block[1], kp):
-                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl])
+            kp, kids = _unblock(block, keep is not None, spec.ids is not None)
+            for qsl, qb, kb, vb, kps, diagonal, _, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                  q, block[0], block[1], kp, spec.ids, kids):
+                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids)
             if pending is not None:
                 block = pending.wait()
         ctx.spec = spec
@@ -516,7 +538,7 @@ class _RingAttention(torch.autograd.Function):
         dout = grad_out.to(cdt)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         q_segs = spec.segments(ring.rank, Lq)
-        block = [k, v] + ([] if keep is None else [keep])
+        block = _block(k, v, keep, spec.ids)
         grads_out = None  # (dk, dv) of the block held in the previous step, summed so far
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
@@ -525,13 +547,13 @@ class _RingAttention(torch.autograd.Function):
                 pending_kv = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks (backward)", step=step)
             if grads_out is not None:  # the previous block's gradients move on with it
                 pending_grad = ring.shift(grads_out, tag=_TAG_GRAD, what="passing dk/dv", step=step)
-            kp = block[2] if keep is not None else None
+            kp, kids = _unblock(block, keep is not None, spec.ids is not None)
             dk = torch.zeros(block[0].shape, dtype=cdt, device=q.device)
             dv = torch.zeros(block[1].shape, dtype=cdt, device=q.device)
-            for qsl, qb, kb, vb, kps, diagonal, ksl in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
-                                                               q, block[0], block[1], kp):
+            for qsl, qb, kb, vb, kps, diagonal, ksl, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                    q, block[0], block[1], kp, spec.ids, kids):
                 _attend_block_backward(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl],
-                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :])
+                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids)
             if pending_grad is not None:
                 dk_in, dv_in = pending_grad.wait()
                 dk, dv = dk + dk_in, dv + dv_in
@@ -545,25 +567,35 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- public
-def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor]]:
-    """(has a causal part, the (B, Lk) keep tensor or None) of a mask the ring can carry."""
+def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(has a causal part, the (B, Lk) keep tensor or None, the (B|1, Lk) document ids or None)
+    of a mask the ring can carry."""
     m = _masks.as_mask(mask)
     if m is None:
-        return False, None
-    causal, keep = False, None
+        return False, None, None
+    causal, keep, ids = False, None, None
     for part in m.parts:
         if isinstance(part, _masks.Causal):
             causal = True
         elif isinstance(part, _masks.KeyPadding):
             part.check(shape, device)
             keep = part.tensor if keep is None else keep & part.tensor
+        elif isinstance(part, _masks.Documents) and part.kv_ids is part.q_ids:
+            if part.q_ids.shape[-1] != shape[3] or shape[2] != shape[3] or part.q_ids.shape[0] not in (1, shape[0]):
+                raise ValueError(
+                    f"ring_attention takes masks.documents(ids) with ids (B, L/P) this rank's shard of the "
+                    f"sequence's ids (shard_sequence(ids, rank, P, layout, dim=-1)), for q and k cut from one "
+                    f"sequence; got ids of shape {tuple(part.q_ids.shape)} for q {shape[2]} and k {shape[3]} tokens")
+            part.check(shape, device)
+            ids = part.q_ids
         else:
             raise ValueError(
                 f"ring_attention takes mask=None, masks.key_padding(keep) with this rank's (B, Lk) "
-                f"shard of keep, or masks.causal(); got {part!r}. A dense (Lq, Lk) mask or bias cannot "
-                "travel with the key blocks: use causal=True for causal attention and key_padding for padding"
+                f"shard of keep, masks.documents(ids) with this rank's shard of the ids, or masks.causal(); "
+                f"got {part!r}. A dense (Lq, Lk) mask or bias cannot travel with the key blocks: use "
+                "causal=True for causal attention and key_padding for padding"
             )
-    return causal, keep
+    return causal, keep, ids
 
 
 def _check_timeout(timeout) -> None:
@@ -572,7 +604,7 @@ def _check_timeout(timeout) -> None:
 
 
 def _check_call(q, k, v, mask, causal, scale, layout, timeout):
-    """(scale, causal, layout, keep) of a ring_attention call, from this rank's arguments alone."""
+    """(scale, causal, layout, keep, ids) of a ring_attention call, from this rank's arguments alone."""
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[-1])
     if not isinstance(causal, bool):
@@ -580,7 +612,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
     _check_timeout(timeout)
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
-    mask_causal, keep = _split_mask(mask, (B, H, Lq, Lk), q.device)
+    mask_causal, keep, ids = _split_mask(mask, (B, H, Lq, Lk), q.device)
     causal = causal or mask_causal
     layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
     if causal and Lq != Lk:
@@ -593,7 +625,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
             f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
             "pad the sequence to a multiple of 2P"
         )
-    return scale, causal, layout, keep
+    return scale, causal, layout, keep, ids
 
 
 def ring_attention(
@@ -615,8 +647,10 @@ def ring_attention(
         k: (B, Hkv, Lk, D), this rank's keys; Hkv divides H (GQA: query head i reads kv head i // g).
         v: (B, Hkv, Lk, Dv), this rank's values.
         mask: None, or ``masks.key_padding(keep)`` with keep (B, Lk) this rank's shard of the
-            padding (True = real token; it travels with the keys), optionally ``& masks.causal()``.
-            Other masks raise ValueError.
+            padding (True = real token; it travels with the keys), and/or ``masks.documents(ids)``
+            with ids (B|1, L/P) this rank's shard of packed documents' ids (they travel with the
+            keys too; only tiles within a document are computed), optionally ``& masks.causal()``
+            (per document). Other masks raise ValueError.
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         group: the process group whose ranks hold the shards (default: the whole world), in
@@ -647,11 +681,11 @@ def ring_attention(
     does waits ``timeout`` seconds, then raises :class:`RingError`.
     """
     try:  # the checks of this rank's own arguments
-        scale, causal, layout, keep = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+        scale, causal, layout, keep, ids = _check_call(q, k, v, mask, causal, scale, layout, timeout)
     except (TypeError, ValueError):
         _announce_rejection(group, timeout)
         raise
-    spec = _Spec(_Ring(group, timeout), causal, layout, scale)
+    spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids)
     records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
     return _RingAttention.apply(q, k, v, keep, spec)
