@@ -55,8 +55,9 @@ reference rounds them; the scale, the shift, the exponentials, the row sums and 
 accumulation stay in float32. Elsewhere the tiles compute in float32 (bfloat16 products without
 the units are slower, not faster).
 
-Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, block i
-to thread i mod n, each running torch single-threaded (one parallel region per thread, not one
+Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, dealt
+out back and forth (0, 1, .., n-1, n-1, .., 0, ..: equal work under a causal mask), each running
+torch single-threaded (one parallel region per thread, not one
 per op: on a busy machine that is twice as fast as torch's intra-op threads on these ops). A
 thread is made single-threaded with the per-thread calls of OpenMP and MKL, not with
 ``torch.set_num_threads``, which is process-wide (see :func:`_runtime_setters`); where that is
@@ -286,7 +287,8 @@ class Tiles:
 
     def plans(self, workers: int) -> list:
         """One list of panels per worker (see :func:`_plan`): query block i goes to worker
-        i mod ``workers``, a fixed rule, so every sum is formed in the same order on every run.
+        :func:`_worker_of` (i, ``workers``), a fixed rule, so every sum is formed in the same order
+        on every run.
         One worker (the calling thread) merges consecutive blocks into panels of up to
         :data:`PANEL_SCORES` scores, for torch's intra-op threads; several workers, each
         single-threaded, compute tile by tile."""
@@ -294,7 +296,8 @@ class Tiles:
             panel_queries = PANEL_SCORES // max(1, self.N * self.G * self.block_k) // self.block_q * self.block_q
         else:
             panel_queries = self.block_q
-        return [_plan(self.blocks[w::workers], self.Lk, self.rest, self.block_k, self.mask_shape,
+        return [_plan([b for i, b in enumerate(self.blocks) if _worker_of(i, workers) == w], self.Lk, self.rest,
+                      self.block_k, self.mask_shape,
                       max(self.block_q, panel_queries), self.q.device) for w in range(workers)]
 
     # -- passes
@@ -558,6 +561,14 @@ def merge(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     out = sum(w.unsqueeze(-1) * o.to(cdt) for w, o in zip(weights, outputs)) / safe.unsqueeze(-1)
     lse = torch.where(seen, top + torch.log(safe), torch.full_like(total, _NEG_INF))
     return out.to(outputs[0].dtype), lse
+
+
+def _worker_of(block: int, workers: int) -> int:
+    """The worker of query block ``block``: blocks dealt out back and forth (0, 1, .., n-1,
+    n-1, .., 0, 0, 1, ..), so that under a causal mask, whose block i has i + 1 tiles, every
+    worker gets the same number of tiles (dealing round-robin gives the last worker the most)."""
+    turn, place = divmod(block, workers)
+    return place if turn % 2 == 0 else workers - 1 - place
 
 
 def _workers(blocks: int, *tensors: torch.Tensor) -> int:
