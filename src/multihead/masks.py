@@ -91,7 +91,7 @@ it names, and the parameters of a module) as `Mask.tensors`, so a kernel can dif
 into them; pass ``tensors=`` to name them yourself.
 
 Block-wise use (the ``chunked`` backend): `Mask.key_span` says which keys a run of queries
-can see at all (the hull of what causal, window, documents, chunked_local and mask_mod leave),
+can see at all (the hull of what causal, window, documents, chunked_local and a given plan leave),
 so whole blocks outside it are never computed; `Mask.tile_state` says whether one tile is
 "empty", "full" or "partial" for the selecting parts (a kernel skips empty tiles and needs no
 keep tensor for full ones); `Mask.block` builds the keep and bias tensors of one tile only,
@@ -99,6 +99,13 @@ never the full (Lq, Lk) mask, and no keep at all where the selecting parts allow
 A mask_mod's tile states come from a `BlockPlan` (like FlexAttention's ``BlockMask``), computed
 once per shape from the function and kept on the object, so a mask shared by several layers
 plans once; `block_plan` makes one for any mask and `Mask.with_plan` attaches it.
+
+Details Contract A leaves open, as decided here: index tensors are int64; `Mask.apply_block`
+and `Mask.tensors` exist on every mask (all its score mods in written order; nothing without
+any); `Mask.tile_state` takes an optional ``device=`` (where a mask_mod plans, default its
+captured tensors' device or the CPU) and `Mask.check` an optional ``dtype=`` (the dtype the
+score mods are probed in); sink tokens are ``window(left, sinks=n)``; ``chunked_local`` is not
+causal by itself; a mask has at most one documents part and one sink part.
 
 Legend: B batch, H query heads, Lq/Lk query/key lengths, bq/bk a tile's query/key counts.
 """
@@ -109,7 +116,7 @@ import itertools
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, Sequence, Union, overload
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union, overload
 
 import torch
 
@@ -149,8 +156,10 @@ TILE_STATES = ("empty", "partial", "full")
 Shape = Sequence[int]
 #: what a leaf builds: its (keep, bias) tensors, either None
 _Built = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
-#: per-query key intervals [lo, hi), each (B|1, n): the union of them is what a row may see
-_Intervals = list[tuple[torch.Tensor, torch.Tensor]]
+#: an interval end: (B|1, n) int64 for the rows of a tile, or an int for one row
+_End = Any
+#: per-query key intervals [lo, hi): the union of them is what a row may see
+_Intervals = list[tuple[_End, _End]]
 
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 
@@ -192,6 +201,28 @@ class _Rows:
         return self.i + (self.ks - self.qs)
 
 
+class _Row:
+    """One query row ``i`` as plain ints, with the attributes of `_Rows`: the structural parts'
+    intervals are written once, with operators that work on both."""
+
+    def __init__(self, i: int, qs: int, qe: int, ks: int, ke: int, lk: int):
+        self.i, self.qs, self.qe, self.ks, self.ke, self.lk = i, qs, qe, ks, ke, lk
+
+    def diagonal(self, align: str) -> int:
+        return self.i + (self.ke - self.qe) if align == "bottom_right" else self.i + (self.ks - self.qs)
+
+
+def _min(a: _End, b: _End) -> _End:
+    return torch.minimum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else min(a, b)
+
+
+def _max(a: _End, b: _End) -> _End:
+    return torch.maximum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else max(a, b)
+
+
+_AnyRows = Union[_Rows, _Row]
+
+
 def _documents_of(parts: Sequence["Mask"]) -> Optional["Documents"]:
     for p in parts:
         if isinstance(p, Documents):
@@ -199,35 +230,54 @@ def _documents_of(parts: Sequence["Mask"]) -> Optional["Documents"]:
     return None
 
 
-def _intervals(parts: Sequence["Mask"], rows: _Rows) -> Optional[_Intervals]:
-    """What the selecting structural parts leave each row, as a union of key intervals, or None
-    when there is no such part."""
+def _intervals(parts: Sequence["Mask"], rows: "_AnyRows") -> Optional[_Intervals]:
+    """What the selecting structural parts leave each row (a `_Rows`, or one `_Row`), as a union
+    of key intervals (ends may lie outside [0, Lk)), or None when there is no such part."""
     got: Optional[_Intervals] = None
     for p in parts:
-        mine = p._intervals(rows)
-        if mine is None:
+        if not p.is_structural:
             continue
+        mine = p._intervals(rows)
         if got is None:
             got = mine
         else:
-            got = [(torch.maximum(a, c), torch.minimum(b, d)) for a, b in got for c, d in mine]
-    if got is None:
-        return None
-    return [(lo.clamp(0, rows.lk), hi.clamp(0, rows.lk)) for lo, hi in got]
+            got = [(_max(a, c), _min(b, d)) for a, b in got for c, d in mine]
+    return got  # not clamped to [0, Lk): what is compared with keys in [0, Lk) is the same
 
 
-def _interval_keep(ivs: _Intervals, k0: int, k1: int, device: torch.device) -> Optional[torch.Tensor]:
-    """(B|1, 1, n, k1-k0) keep of one tile, or None when every row sees all of it."""
-    covered = None
-    for lo, hi in ivs:
-        c = (lo <= k0) & (hi >= k1)
-        covered = c if covered is None else covered | c
-    if covered is not None and bool(covered.all()):
-        return None
+def _from_ends(parts: Sequence["Mask"], doc: Optional["Documents"], q0: int, q1: int, k0: int, k1: int,
+               lq: int, lk: int) -> Optional[tuple[int, int, int]]:
+    """``(state, lo, hi)`` of the structural parts for queries q0 .. q1-1 x keys k0 .. k1-1, read
+    from the first and the last row alone: _EMPTY or _FULL only when true, else _PARTIAL, and
+    a hull [lo, hi) of the keys the rows may see. None when a batch row's queries cross into
+    another document (the rows' geometry then jumps; the per-row tensors answer).
+
+    Why the ends suffice: inside one document every part's interval ends are non-decreasing in
+    the row (d_i = i + a constant, and so are d_i - left, d_i + right + 1, the chunk start, the
+    first sink keys' end), and so are their max and min; hence every row's lo lies between the
+    first row's and the last row's, and so does its hi.
+    """
+    ends = doc.rows_at(q0, q1 - 1) if doc is not None else [((0, lq, 0, lk), (0, lq, 0, lk))]
+    full, empty, lo_all, hi_all = True, True, lk, 0
+    for first, last in ends:
+        if first[0] != last[0]:  # another run of ids starts inside the rows
+            return None
+        a = _intervals(parts, _Row(q0, first[0], first[1], first[2], first[3], lk))
+        z = _intervals(parts, _Row(q1 - 1, last[0], last[1], last[2], last[3], lk))
+        assert a is not None and z is not None
+        full = full and any(zl <= k0 and ah >= k1 for (_, ah), (zl, _) in zip(a, z))
+        empty = empty and all(zh <= k0 or al >= k1 for (al, _), (_, zh) in zip(a, z))
+        lo_all = min(lo_all, min(al for al, _ in a))
+        hi_all = max(hi_all, max(zh for _, zh in z))
+    return (_FULL if full else _EMPTY if empty else _PARTIAL), max(lo_all, 0), min(hi_all, lk)
+
+
+def _interval_keep(ivs: _Intervals, k0: int, k1: int, device: torch.device) -> torch.Tensor:
+    """(B|1, 1, n, k1-k0) keep of one tile."""
     j = torch.arange(k0, k1, device=device)
-    keep_t = None
+    keep_t: Optional[torch.Tensor] = None
     for lo, hi in ivs:
-        k = (j >= lo.unsqueeze(-1).to(device)) & (j < hi.unsqueeze(-1).to(device))
+        k: torch.Tensor = (j >= lo.unsqueeze(-1).to(device)) & (j < hi.unsqueeze(-1).to(device))
         keep_t = k if keep_t is None else keep_t | k
     assert keep_t is not None
     return keep_t.unsqueeze(1)
@@ -244,6 +294,10 @@ class Mask:
     is_score_mod: ClassVar[bool] = False
     #: whether the part selects by key intervals per query (`_intervals`)
     is_structural: ClassVar[bool] = False
+    #: whether the part only selects (builds a keep, never a bias): skipped on a full tile
+    selects_only: ClassVar[bool] = False
+    #: whether `_build_block` reads the rows' geometry (``rows=``)
+    needs_rows: ClassVar[bool] = False
 
     #: the parts this mask is made of (a leaf is its own only part)
     @property
@@ -346,24 +400,32 @@ class Mask:
     def key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         """Keys ``[lo, hi)`` that queries ``q0 .. q1-1`` may see at most (``lo >= hi``: none).
 
-        The hull of what causal, window, documents, chunked_local and mask_mod (from its block
-        plan) leave the rows; a tensor part may hide more keys inside it, which `block` masks.
+        The hull of what causal, window, documents and chunked_local leave the rows (and a block
+        plan given with `with_plan`, for its lengths); a tensor part or a mask_mod may hide more
+        keys inside it, which `tile_state` and `block` tell.
         """
         lo, hi = 0, lk
         if q1 <= q0:
             return 0, 0
         parts = self.parts
-        rows = _Rows(_documents_of(parts), q0, q1, lq, lk)
-        ivs = _intervals(parts, rows)
-        if ivs is not None:
+        doc = _documents_of(parts)
+        ends = _from_ends(parts, doc, q0, q1, 0, lk, lq, lk) if any(p.is_structural for p in parts) else None
+        ivs = None if ends is not None else _intervals(parts, _Rows(doc, q0, q1, lq, lk))
+        if ends is not None:
+            lo, hi = ends[1], ends[2]
+        elif ivs is not None:
             big = lk + 1
             los = [torch.where(h > l, l, big).min() for l, h in ivs]
             his = [torch.where(h > l, h, -1).max() for l, h in ivs]
-            lo, hi = int(torch.stack(los).min()), int(torch.stack(his).max())
-            if hi < 0:
+            lo, hi = max(int(torch.stack(los).min()), 0), min(int(torch.stack(his).max()), lk)
+            if hi <= 0:
                 return 0, 0
         for part in parts:
             plo, phi = part._key_span(q0, q1, lq, lk)
+            lo, hi = max(lo, plo), min(hi, phi)
+        plan = self.plan
+        if plan is not None and plan.shape[-2:] == (lq, lk):  # `check` holds B and H to the plan's
+            plo, phi = plan.key_span(q0, q1)
             lo, hi = max(lo, plo), min(hi, phi)
         return (lo, hi) if lo < hi else (0, 0)
 
@@ -389,9 +451,14 @@ class Mask:
         parts = self.parts
         doc = _documents_of(parts)
         dev = doc.q_ids.device if doc is not None else (device or torch.device("cpu"))
-        rows = _Rows(doc, q0, q1, lq, lk)
-        ivs = _intervals(parts, rows)
         full = True
+        ivs = None
+        if any(p.is_structural for p in parts):
+            ends = _from_ends(parts, doc, q0, q1, k0, k1, lq, lk)
+            if ends is not None and ends[0] == _EMPTY:
+                return "empty"
+            if ends is None or ends[0] == _PARTIAL:  # exact, row by row
+                ivs = _intervals(parts, _Rows(doc, q0, q1, lq, lk))
         if ivs is not None:
             seen = None
             covered = None
@@ -428,15 +495,26 @@ class Mask:
         parts = self.parts
         plan = self.plan
         full = plan is not None and plan.shape == shape and plan.tile_state(q0, q1, k0, k1) == "full"
-        rows = _Rows(_documents_of(parts), q0, q1, lq, lk)
+        doc = _documents_of(parts)
+        rows: Optional[_Rows] = None
         keep_t: Optional[torch.Tensor] = None
         bias_t: Optional[torch.Tensor] = None
-        ivs = _intervals(parts, rows)
-        if ivs is not None and not full:
-            keep_t = _interval_keep(ivs, k0, k1, device)
+        if not full and any(p.is_structural for p in parts):
+            ends = _from_ends(parts, doc, q0, q1, k0, k1, lq, lk)
+            if ends is not None and ends[0] == _EMPTY:
+                keep_t = torch.zeros(1, 1, q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+            elif ends is None or ends[0] == _PARTIAL:
+                rows = _Rows(doc, q0, q1, lq, lk)
+                ivs = _intervals(parts, rows)
+                assert ivs is not None
+                keep_t = _interval_keep(ivs, k0, k1, device)
         for part in parts:
             if part.is_structural:
                 continue
+            if full and part.selects_only:
+                continue
+            if rows is None and part.needs_rows:
+                rows = _Rows(doc, q0, q1, lq, lk)
             k, b = part._build_block(q0, q1, k0, k1, shape, device=device, dtype=dtype, rows=rows)
             if k is not None and not full:
                 keep_t = k if keep_t is None else keep_t & k
@@ -474,9 +552,9 @@ class Mask:
     ) -> _Built:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _intervals(self, rows: _Rows) -> Optional[_Intervals]:
-        """For structural parts: the key intervals each row may see; None for the others."""
-        return None
+    def _intervals(self, rows: "_AnyRows") -> _Intervals:  # pragma: no cover - structural parts only
+        """For structural parts: the key intervals each row (a `_Rows`, or one `_Row`) may see."""
+        raise NotImplementedError
 
     def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         return None
@@ -584,9 +662,9 @@ class Causal(Mask):
     def __init__(self, align: str = "bottom_right"):
         self.align = _check_align(align)
 
-    def _intervals(self, rows: _Rows) -> _Intervals:
+    def _intervals(self, rows: "_AnyRows") -> _Intervals:
         d = rows.diagonal(self.align)
-        return [(torch.zeros_like(d), d + 1)]
+        return [(d * 0, d + 1)]
 
     def __repr__(self) -> str:
         return f"causal(align={self.align!r})"
@@ -617,14 +695,14 @@ class Window(Mask):
         self.right: Optional[int] = None if right is None else int(right)
         self.sinks: int = count or 0
 
-    def _intervals(self, rows: _Rows) -> _Intervals:
+    def _intervals(self, rows: "_AnyRows") -> _Intervals:
         d = rows.diagonal(self.align)
-        lo = torch.zeros_like(d) if self.left is None else d - self.left
-        hi = torch.full_like(d, rows.lk) if self.right is None else d + self.right + 1
+        lo = d * 0 if self.left is None else d - self.left
+        hi = d * 0 + rows.lk if self.right is None else d + self.right + 1
         out = [(lo, hi)]
         if self.sinks:
-            start = rows.ks.expand_as(d)
-            out.append((start, torch.minimum(start + self.sinks, hi)))
+            start = rows.ks + d * 0
+            out.append((start, _min(start + self.sinks, hi)))
         return out
 
     def __repr__(self) -> str:
@@ -646,9 +724,9 @@ class ChunkedLocal(Mask):
         self.chunk = c
         self.align = _check_align(align)
 
-    def _intervals(self, rows: _Rows) -> _Intervals:
+    def _intervals(self, rows: "_AnyRows") -> _Intervals:
         d = rows.diagonal(self.align)
-        start = rows.ks + torch.div(d - rows.ks, self.chunk, rounding_mode="floor") * self.chunk
+        start = rows.ks + (d - rows.ks) // self.chunk * self.chunk  # floor division, also for tensors
         return [(start, start + self.chunk)]
 
     def __repr__(self) -> str:
@@ -735,6 +813,7 @@ class Documents(Mask):
         zero = torch.zeros_like(self._ks)
         self._ks = torch.where(valid, self._ks, zero)
         self._ke = torch.where(valid, self._ke, zero)
+        self._table: Optional[list[list[tuple[int, ...]]]] = None
 
     @property
     def device(self) -> torch.device:
@@ -744,8 +823,16 @@ class Documents(Mask):
         """Per query token (B|1, Lq): its document's first and end query, first and end key."""
         return self._qs, self._qe, self._ks, self._ke
 
-    def _intervals(self, rows: _Rows) -> _Intervals:
+    def _intervals(self, rows: "_AnyRows") -> _Intervals:
         return [(rows.ks, rows.ke)]
+
+    def rows_at(self, i: int, j: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per batch row: the (qs, qe, ks, ke) of query rows i and j, as ints (a host copy of
+        `geometry`, made on first use)."""
+        if self._table is None:
+            both = torch.stack(torch.broadcast_tensors(*self.geometry()), dim=-1)  # type: ignore[no-untyped-call]
+            self._table = [[tuple(x) for x in row] for row in both.tolist()]
+        return [(row[i], row[j]) for row in self._table]
 
     def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         b = self._ks.shape[0]
@@ -756,7 +843,7 @@ class Documents(Mask):
         if self.q_ids.device != device:
             raise ValueError(
                 f"{name} (documents) is on {self.q_ids.device} but the query is on {device}; "
-                f"build it from ids on {str(device)!r}"
+                f"build it from ids on {str(device)!r} (from_seqlens/from_cu_seqlens: device={str(device)!r})"
             )
         for ids, length, side in ((self.q_ids, lq, "Lq"), (self.kv_ids, lk, "Lk")):
             if ids.shape[0] not in (1, batch):
@@ -815,6 +902,7 @@ class Keep(Mask):
     """A boolean tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
 
     kind: ClassVar[str] = "keep"
+    selects_only: ClassVar[bool] = True
 
     def __init__(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor):
@@ -881,6 +969,7 @@ class KeyPadding(Mask):
     """A bool (B, Lk) tensor, True for real tokens, False for padding keys."""
 
     kind: ClassVar[str] = "padding"
+    selects_only: ClassVar[bool] = True
 
     def __init__(self, keep_t: torch.Tensor):
         if not isinstance(keep_t, torch.Tensor):
@@ -1170,6 +1259,7 @@ class MaskMod(Mask):
     evaluated on one tile's index tensors at a time."""
 
     kind: ClassVar[str] = "mask_mod"
+    selects_only: ClassVar[bool] = True
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         if not callable(fn):
@@ -1227,12 +1317,6 @@ class MaskMod(Mask):
 
     def _tile_state(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> int:
         return TILE_STATES.index(self.own_plan(shape).tile_state(q0, q1, k0, k1))
-
-    def _key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
-        for (shape, _), plan in self._plans.items():  # a plan made for these lengths narrows the span
-            if shape[-2:] == (lq, lk):
-                return plan.key_span(q0, q1)
-        return 0, lk
 
     def __repr__(self) -> str:
         return f"mask_mod({_fn_name(self.fn)})"
@@ -1408,6 +1492,7 @@ class ALiBi(Mask):
     ``alibi_slopes`` rule."""
 
     kind: ClassVar[str] = "alibi"
+    needs_rows: ClassVar[bool] = True
 
     def __init__(self, slopes: Union[torch.Tensor, Sequence[float]], align: str = "bottom_right"):
         if not isinstance(slopes, torch.Tensor):

@@ -106,7 +106,7 @@ def attention_probs(
                     checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
                     note=repr(mask), extras={"keep": keep},
                 )
-    weights = safe_softmax(scores, sink)
+    weights = safe_softmax(scores) if sink is None else safe_softmax(scores, sink)
     if tr is not None:
         tr.record("softmax", weights, None, SCORE_AXES, checks=_softmax_checks(weights, scores, sink is not None))
     return (weights, row_lse(scores, sink)) if with_lse else weights
