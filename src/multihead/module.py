@@ -43,6 +43,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import functional as _functional
 from . import masks as _masks
+from . import steps as _steps
 from . import trace as _trace
 from ._checks import check_module_inputs
 from ._numerics import default_scale
@@ -56,8 +57,6 @@ from . import hf as _hf, interop as _interop, per_head as _per_head
 
 __all__ = ["MultiHeadAttention"]
 
-_FUSED_QKV = "one product with the concatenated weights [W_q; W_k; W_v]"
-_FUSED_KV = "K and V: one product with [W_k; W_v]"
 
 
 def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int) -> torch.Tensor:
@@ -409,7 +408,7 @@ class MultiHeadAttention(nn.Module):
         tr = _trace.current()
         if tr is not None:
             tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
-            tr.record("input", query, None, ("b", "t", "d_in"))
+            tr.record(_steps.INPUT, query, module=self)
         q, k, v = self._project(query, key, value, tr)
         if self.rope is not None:
             q, k = self._rotate(q, k, at, tr, bound=bound)
@@ -444,13 +443,13 @@ class MultiHeadAttention(nn.Module):
         linears = (self.q_proj, self.k_proj, self.v_proj)
         stacked: tuple[int, ...]
         if key is query and value is query:
-            stacked, note = (0, 1, 2), _FUSED_QKV
+            stacked, fused_as = (0, 1, 2), "qkv"
         elif value is key and self.config.kdim == self.config.vdim:
-            stacked, note = (1, 2), _FUSED_KV
+            stacked, fused_as = (1, 2), "kv"
         else:
-            stacked, note = (), ""
+            stacked, fused_as = (), None
         if not all(isinstance(linears[i], nn.Linear) for i in stacked):
-            stacked, note = (), ""  # a replaced projection (an adapter, ...) is no longer one matrix
+            stacked, fused_as = (), None  # a replaced projection (an adapter, ...) is no longer one matrix
         fused = {}
         if stacked:
             with torch.no_grad():
@@ -462,8 +461,9 @@ class MultiHeadAttention(nn.Module):
             checks = {}
             if i in fused:
                 checks["equals its own separate product"] = torch.allclose(fused[i], t, rtol=1e-4, atol=1e-5)
-            tr.record(f"project {name}", t, None, ("b", "t", "d_out" if name == "Q" else "d_kv"),
-                      checks=checks, note=note if i in fused else "")
+            tr.record(_steps.PROJECT, t, role=name, axes=("b", "t", "d_out" if name == "Q" else "d_kv"), checks=checks,
+                      params={"f_in": inputs[i].shape[-1], "bias": getattr(linears[i], "bias", None) is not None,
+                              "fused": fused_as if i in fused else None})
 
     def _rotate(self, q, k, positions, tr, *, bound: Optional[int] = None) -> tuple:
         """q, k rotated (RoPE) for ``positions``: an int offset (tokens at offset, offset + 1, ...),
@@ -479,28 +479,31 @@ class MultiHeadAttention(nn.Module):
             q, k = rope(q, positions=positions), rope(k, positions=positions)
         else:
             q, k = rope(q, positions), rope(k, positions)
-        if tr is not None:  # the note is built only when recording (an f-string of a traced int breaks a graph)
+        if tr is not None:  # the params are read only when recording (an int of a traced tensor breaks a graph)
+            where: dict
             if bound is not None and isinstance(positions, torch.Tensor):
-                where = "positions from the cache" + (" (per row)" if positions.dim() == 2 else "")
+                where = {"positions": "cache", "per_row": positions.dim() == 2}
             elif isinstance(positions, torch.Tensor):
-                where = f"global positions of this shard ({positions.numel()} tokens)"
+                where = {"positions": "shard", "count": positions.numel()}
             else:
-                where = f"positions {positions}..{positions + q.shape[2] - 1}"
-            note = f"{where}, base {rope.base:g}, rotate-half layout"
-            tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
-            tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
+                where = {"positions": "offset", "start": int(positions), "stop": int(positions) + q.shape[2] - 1}
+            params = {**where, "base": float(rope.base), "layout": "rotate-half"}
+            tr.record(_steps.ROPE, q, role="Q", params=params)
+            tr.record(_steps.ROPE, k, role="K", params=params)
         return q, k
 
     def _write_cache(self, cache: KVCache, k, v, m, tr) -> tuple:
         """k, v written to ``cache``; returns the keys (B, Hkv, Lk, D) and values to attend over,
         and ``m`` combined with the cache's mask (which keys each new token may see)."""
+        new = k.shape[2]
         k, v, cache_mask = cache._write(k, v)
         if cache_mask is not None:
             m = cache_mask if m is None else cache_mask & m
         if tr is not None:
-            note = f"{cache.length} of max_len={cache.max_len} tokens cached; {self.config.num_kv_heads} kv heads"
-            tr.record("append to the cache", k, None, ("b", "h", "t", "d"), role="K", note=note)
-            tr.record("append to the cache", v, None, ("b", "h", "t", "d"), role="V", note=note)
+            params = {"length": cache.length, "max_len": cache.max_len, "kv_heads": _resolved(self.config.num_kv_heads),
+                      "new": new}
+            tr.record(_steps.CACHE_APPEND, k, role="K", params=params)
+            tr.record(_steps.CACHE_APPEND, v, role="V", params=params)
         return k, v, m
 
     def _attend(self, q, k, v, m, return_weights: bool, tr) -> tuple:
@@ -516,7 +519,8 @@ class MultiHeadAttention(nn.Module):
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
         out = _linear(self.out_proj, _merge_heads(o, tr))
         if tr is not None:
-            tr.record("output projection", out, None, ("b", "t", "d_out"), note="W_O mixes the heads")
+            tr.record(_steps.OUTPUT_PROJECTION, out, params={
+                "f_in": o.shape[1] * o.shape[3], "bias": getattr(self.out_proj, "bias", None) is not None})
         return out
 
     # ------------------------------------------------------------------ conversions

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import steps as _steps
 from .. import trace as _trace
 from .._checks import check_positive_int, check_qkv, check_scale
 from .._numerics import autocast_inputs, compute_dtype, outside_autocast
@@ -165,13 +166,11 @@ def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
         groups = q.shape[1] // k.shape[1]
         bq, bk = default_block_q(groups), BLOCK_K
         total = math.ceil(q.shape[2] / bq) * math.ceil(k.shape[2] / bk)
-        tr.record(
-            "fused attention (scores, scale, mask, softmax, weights × V)", out,
-            "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
-            note=(f"multihead chunked online softmax, tiles of {bq} queries × {bk} keys: "
-                  f"{BLOCKS_COMPUTED['forward'] - before} computed of about {total} "
-                  "(tiles the mask hides are skipped)"),
-        )
+        tr.record(_steps.FUSED_ATTENTION, out, params={
+            "backend": "chunked", "block_q": bq, "block_k": bk,
+            "tiles_computed": BLOCKS_COMPUTED["forward"] - before, "tiles_total": total,
+            "lk": k.shape[2], "head_dim": q.shape[-1],
+        })
     return out, lse
 
 

@@ -27,8 +27,9 @@ from typing import Literal, Optional, Union, overload
 import torch
 import torch.nn.functional as F
 
+from .. import steps as _steps
 from .. import trace as _trace
-from .._numerics import compute_dtype, finite_row_max
+from .._numerics import compute_dtype, default_scale, finite_row_max
 from ..heads import REPEAT_KV_PATTERN, repeat_kv
 from ..masks import Mask
 from . import Backend, Call, register
@@ -60,11 +61,6 @@ def safe_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor] = None) -> t
     return e / torch.where(total == 0, torch.ones_like(total), total)
 
 
-def _mask_name(mask: Mask) -> str:
-    kinds = [p.kind for p in mask.parts if p.kind != "bias"]
-    return " & ".join(kinds) + " mask"
-
-
 @overload
 def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask], *, scale: float,
                     with_lse: Literal[False] = False) -> torch.Tensor: ...
@@ -82,10 +78,11 @@ def attention_probs(
     cdt = compute_dtype(q.dtype)
     scores = q.to(cdt) @ k.to(cdt).transpose(-2, -1)
     if tr is not None:
-        tr.record("scores QKᵀ", scores, SCORES_PATTERN, SCORE_AXES)
+        tr.record(_steps.SCORES, scores, params={"head_dim": q.shape[-1]})
     scores = scores * scale
     if tr is not None:
-        tr.record("scale", scores, None, SCORE_AXES, note=f"× {scale:.6g} (1/√D when D = {q.shape[-1]})")
+        tr.record(_steps.SCALE, scores, params={"scale": scale, "head_dim": q.shape[-1],
+                                                   "default": scale == default_scale(q.shape[-1])})
     keep = None
     sink = None
     if mask is not None:
@@ -95,20 +92,21 @@ def attention_probs(
         if mt.bias is not None:
             scores = scores + mt.bias
             if tr is not None:
-                tr.record("add bias", scores, None, SCORE_AXES)
+                tr.record(_steps.ADD_BIAS, scores)
         if mask.score_mods:
             scores = mask.apply_block(scores, 0, scores.shape[-2], 0, scores.shape[-1], tuple(scores.shape))
         if keep is not None:
             scores = scores.masked_fill(~keep, _NEG_INF)
             if tr is not None:
                 tr.record(
-                    _mask_name(mask), scores, None, SCORE_AXES,
+                    _steps.MASK, scores,
                     checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
-                    note=repr(mask), extras={"keep": keep},
+                    params={"kinds": _steps.selecting_kinds(mask.parts), "code": repr(mask)},
+                    extras={"keep": keep},
                 )
     weights = safe_softmax(scores) if sink is None else safe_softmax(scores, sink)
     if tr is not None:
-        tr.record("softmax", weights, None, SCORE_AXES, checks=_softmax_checks(weights, scores, sink is not None))
+        tr.record(_steps.SOFTMAX, weights, checks=_softmax_checks(weights, scores, sink is not None))
     return (weights, row_lse(scores, sink)) if with_lse else weights
 
 
@@ -158,9 +156,8 @@ def attend(
         src_k, src_v = k, v
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         if tr is not None:
-            tr.record("repeat kv heads", k, REPEAT_KV_PATTERN, ("b", "h", "t", "d"), source=src_k, role="K",
-                      note=f"each key/value head serves {groups} query heads")
-            tr.record("repeat kv heads", v, REPEAT_KV_PATTERN, ("b", "h", "t", "d"), source=src_v, role="V")
+            tr.record(_steps.REPEAT_KV, k, source=src_k, role="K", params={"groups": groups})
+            tr.record(_steps.REPEAT_KV, v, source=src_v, role="V", params={"groups": groups})
     if lse is None:
         weights = attention_probs(q, k, mask, scale=scale)
     else:
@@ -169,10 +166,10 @@ def attend(
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p, training=True)
         if tr is not None:
-            tr.record("dropout", weights, None, SCORE_AXES, note=f"p = {dropout_p}; kept weights scaled by 1/(1-p)")
+            tr.record(_steps.DROPOUT, weights, params={"p": dropout_p})
     out = weights @ v.to(weights.dtype)
     if tr is not None:
-        tr.record("weights × V", out, WEIGHTED_SUM_PATTERN, ("b", "h", "t", "d"))
+        tr.record(_steps.WEIGHTED_SUM, out, params={"lk": v.shape[2]})
     return out.to(q.dtype), weights.to(q.dtype)
 
 

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, split_additive
 from . import Backend, Call, register
@@ -181,13 +182,12 @@ def sdpa_attention(
     )
     tr = _trace.current()
     if tr is not None:
-        kernel = _kernel_name(q, k, v, attn_mask, dropout_p, is_causal)
-        how = "is_causal=True" if is_causal else ("no mask" if attn_mask is None else f"{attn_mask.dtype} mask tensor")
-        tr.record(
-            "fused attention (scores, scale, mask, softmax, weights × V)", out,
-            "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
-            note=f"torch scaled_dot_product_attention, {kernel} kernel, {how}",
-        )
+        tr.record(_steps.FUSED_ATTENTION, out, params={
+            "backend": "sdpa", "kernel": _kernel_name(q, k, v, attn_mask, dropout_p, is_causal),
+            "mask": "is_causal" if is_causal else ("none" if attn_mask is None else "tensor"),
+            "mask_dtype": None if attn_mask is None else str(attn_mask.dtype),
+            "lk": k.shape[2], "head_dim": q.shape[-1],
+        })
     return out
 
 

@@ -49,6 +49,7 @@ import torch
 
 from ..backends import BackendName
 from .. import masks as _masks
+from ..trace import current as _current_trace
 from ..functional import attention, attention_with_weights
 
 __all__ = ["NAME", "register", "attention_forward", "to_mask"]
@@ -188,9 +189,14 @@ def attention_forward(
     want_weights = kwargs.get("output_attentions")
     if want_weights is None:
         want_weights = getattr(config, "output_attentions", False)
+    tr = _current_trace()
+    if tr is not None:  # the steps recorded below are this layer's: its path under the traced model
+        tr.enter(module)
     if want_weights:
         out, weights = attention_with_weights(query, key, value, mask, scale=scaling, dropout_p=dropout_p)
     else:
         out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout_p, backend=backend)
         weights = None
+    if tr is not None:
+        tr.leave()
     return out.transpose(1, 2).contiguous(), weights
