@@ -255,3 +255,16 @@ def test_largest_scale_gives_the_exact_hard_maximum(backend, dtype):
     assert torch.equal(out, expect)
     weights = multihead.attention_weights(q, k, scale=2.0 ** 64)
     assert torch.equal(weights, torch.nn.functional.one_hot(best, k.shape[2]).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_exp_floor_is_exp_above_it_zero_at_or_below_and_keeps_nan(dtype):
+    """The kernel's exp: bit-equal to torch.exp above the floor (-80), exactly 0 at or below it
+    and for -inf (a hidden score), NaN and +inf as IEEE says."""
+    x = torch.tensor([0.0, -1.5, -79.9, -80.0, -80.5, -100.0, -800.0, float("-inf"), float("nan"), float("inf"), 3.0],
+                     dtype=dtype)
+    got = _tiles._exp_(x.clone())
+    above = x > _tiles.EXP_FLOOR
+    assert torch.equal(got[above], torch.exp(x[above]))
+    assert torch.equal(got[x <= _tiles.EXP_FLOOR], torch.zeros_like(got[x <= _tiles.EXP_FLOOR]))
+    assert torch.isnan(got[8]) and got[9] == float("inf")

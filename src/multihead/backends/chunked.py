@@ -73,8 +73,9 @@ def chunked_attention(
         scale: default 1/√D.
         block_q: queries per block (default :data:`BLOCK_ROWS` // G); block_k: keys per block
             (default :data:`BLOCK_K`).
-        return_lse: also return lse (B, H, Lq), the log-sum-exp over keys of the scaled, masked
-            scores (``-inf`` for a row with no visible key); differentiable.
+        return_lse: also return lse (B, H, Lq), the log-sum-exp over keys of the final scores
+            (scaled, biased, modded, masked; ``-inf`` for a row with no visible key; with a sink
+            part, logaddexp of that and the head's sink logit); differentiable.
 
     The last three arguments serve :func:`multihead.attention_weights`: ``positions`` (Lq ints)
     are the absolute query positions the mask is evaluated at, ``mask_shape`` the (B, H, Lq, Lk)
