@@ -316,8 +316,9 @@ _FIELDS = (
     ("value head dim Dv", str, _SAME_MODEL),
     ("dtype", lambda c: str(_DTYPES[c]), "cast q, k and v to one dtype on every rank, e.g. .to(torch.bfloat16)"),
     ("device type", _unpack_name, "put every rank's q, k and v on the same kind of device (each rank its own GPU, or all on CPU)"),
-    ("key padding, document ids", lambda c: f"padding {('no', 'yes')[c & 1]}, documents {('no', 'yes')[c >> 1 & 1]}",
-     "pass mask=masks.key_padding(keep) and masks.documents(ids) on every rank or on none (keep all True on a shard without padding)"),
+    ("key padding", lambda c: ("no", "yes")[c & 1] + (" (and document ids)" if c & 2 else ""),
+     "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding), "
+     "and masks.documents(ids) likewise"),
     ("causal", lambda c: str(bool(c)), "pass the same causal= on every rank (mask=masks.causal() counts as causal=True)"),
     ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]), "pass the layout the shards were cut with, the same on every rank"),
     ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
