@@ -47,15 +47,16 @@ def real():
 
 
 def _loop_scores(w):
-    """The pattern scores of one head w (L, L), written as plainly as possible."""
+    """The pattern scores of one head w (L, L) of an encoder (every key visible), written as
+    plainly as possible: first and last token leave out the row where that token is the query."""
     L = len(w)
     rows = [[float(x) for x in r] for r in w]
     return {
+        "first": sum(rows[i][0] for i in range(1, L)) / (L - 1),
         "previous": sum(rows[i][i - 1] for i in range(1, L)) / (L - 1),
-        "next": sum(rows[i][i + 1] for i in range(L - 1)) / (L - 1),
         "self": sum(rows[i][i] for i in range(L)) / L,
-        "cls": sum(rows[i][0] for i in range(L)) / L,
-        "sep": sum(rows[i][L - 1] for i in range(L)) / L,
+        "next": sum(rows[i][i + 1] for i in range(L - 1)) / (L - 1),
+        "last": sum(rows[i][L - 1] for i in range(L - 1)) / (L - 1),
         "broad": sum(-sum(p * math.log(p) for p in r if p > 0) for r in rows) / L / math.log(L),
     }
 
@@ -101,9 +102,10 @@ def test_overview_labels_are_the_computed_patterns(real):
         p = by_code[code]
         assert p.key == max(passing, key=passing.get), (layer, head)
         assert score == pytest.approx(want[p.key], abs=0.005 + 1e-6)
-    # The sentence shows a previous-token head, a next-token head, [CLS] heads and broad heads.
+    # The sentence shows a previous-token head, a next-token head, first-token ([CLS]) heads and broad heads.
     codes = {c for c, _ in grid.values()}
-    assert {"p", "n", "c", "b"} <= codes
+    assert {"p", "n", "f", "b"} <= codes
+    assert "encoder: every token sees every token" in out and "12 heads of dim 32" in out
 
 
 def test_previous_token_heads_put_their_mass_on_the_previous_token(real):
@@ -207,18 +209,18 @@ def test_pattern_scores_on_constructed_heads():
     prev[0, 0] = 1
     prev[torch.arange(1, L), torch.arange(L - 1)] = 1
     uniform = torch.full((L, L), 1 / L)
-    cls = torch.zeros(L, L)
-    cls[:, 0] = 1
-    s = pattern_scores(torch.stack([eye, prev, uniform, cls]))
+    first = torch.zeros(L, L)
+    first[:, 0] = 1
+    s = pattern_scores(torch.stack([eye, prev, uniform, first]))
     assert s["self"].tolist() == pytest.approx([1, 0.2, 0.2, 0.2])
     assert s["previous"].tolist() == pytest.approx([0, 1, 0.2, 0.25])
     assert s["broad"].tolist() == pytest.approx([0, 0, 1, 0], abs=1e-6)
     labels = label_heads(s)
-    assert [p.key for p in labels] == ["self", "previous", "broad", "cls"]
+    assert [p.key for p in labels] == ["self", "previous", "broad", "first"]
     assert label_heads(pattern_scores(torch.tensor([[0.6, 0.4], [0.4, 0.6]])[None]))[0].key == "self"
     with pytest.raises(ValueError, match="L >= 2"):
         pattern_scores(torch.ones(1, 1))
-    with pytest.raises(ValueError, match="must be one of"):
+    with pytest.raises(ValueError, match="neither a known model"):
         attention_for_text("hi", model="gpt2")
 
 

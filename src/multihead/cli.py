@@ -141,10 +141,15 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
     out.add_argument("--per-head", action="store_true", default=d(False), help="also run the per-head reference and compare (text/json/markdown)")
     out.add_argument("--cost", action="store_true", default=d(False), help="FLOPs and bytes of every step (text/json/markdown)")
     real = ex.add_argument_group("real model")
-    real.add_argument("--model", choices=("minilm",), default=d(None), help="explain a pretrained model's heads")
+    real.add_argument("--model", default=d(None), metavar="NAME|DIR",
+                      help="explain a pretrained model's heads: minilm, smollm2, or a directory transformers loads")
     real.add_argument("--text", default=d(None), help="the sentence to run through --model")
     real.add_argument("--layer", type=_non_negative("--layer"), default=d(None), help="layer to show (--model; html/png default: the most labelled layer)")
     real.add_argument("--head", type=_non_negative("--head"), default=d(None), help="head to show (--model)")
+    real.add_argument("--token", type=_non_negative("--token"), default=d(None),
+                      help="query token: the walkthrough of --layer (default 0) for this token (--model)")
+    real.add_argument("--neuron", action="store_true", default=d(False),
+                      help="the neuron view of --layer, --head (default 0) and --token (default: the last) (--model)")
     return parser
 
 
@@ -152,7 +157,7 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
 _WALKTHROUGH = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout",
                 "values", "per_head", "cost")
 #: options of --model alone
-_MODEL = ("text", "layer", "head")
+_MODEL = ("text", "layer", "head", "token", "neuron")
 #: what html and png do not show
 _TEXT_ONLY = ("values", "per_head", "cost")
 
@@ -177,6 +182,9 @@ def _check_options(args, given: set) -> None:
         for dest in _WALKTHROUGH:
             if dest in given:
                 raise UsageError(f"{_flag(dest, args)} belongs to the step-by-step walkthrough, not to --model; drop it")
+        from .explain.models import check_name
+
+        check_name(args.model)
     if picture:
         for dest in _TEXT_ONLY:
             if dest in given:

