@@ -4,6 +4,11 @@
 * forward, causal: chunked (skips the tiles above the diagonal) vs SDPA ``is_causal=True``;
 * forward, ``window(512)``: chunked (computes O(L·w)) vs SDPA given the same mask as a dense
   (L, L) bool tensor (target: chunked >= 5x faster);
+* issue 13's rows (``--issue13``): causal at L=4096 in float32 (target: chunked <= 1.5x SDPA)
+  and in bfloat16 (chunked takes bfloat16 matrix products where the CPU has bf16 units, see
+  the CPU line), and 8 packed documents x 1024 tokens at L=8192, causal, forward+backward:
+  chunked with ``from_seqlens`` vs SDPA given the equivalent dense (L, L) bool mask (target:
+  chunked >= 4x faster), with both calls' peak extra memory in fresh processes;
 * peak extra memory of one call, each in a fresh subprocess: resident memory after the inputs
   exist vs the process's peak resident memory after the call (``VmHWM``; not ``ru_maxrss``,
   which a child inherits from its parent's peak across fork/exec) (target: chunked <= 1 GiB
@@ -14,7 +19,7 @@ process; each candidate's figure is its fastest round (other processes on a shar
 add time) and the ratio is formed from those. GFLOP/s count the useful work only: 4·D FLOPs per
 visible (query, key) pair. The matmul rate of the same run is printed for scale.
 
-``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048]``;
+``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13]``;
 ``main(quick=...)`` returns the markdown report (for ``python -m benchmarks``).
 """
 
@@ -37,7 +42,7 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:  # this checkout's multihead, in
     sys.path.insert(0, str(_SRC))
 
 from multihead import masks
-from multihead.backends import chunked
+from multihead.backends import _tiles, chunked
 from multihead.backends.chunked import chunked_attention
 
 B, H, D, WINDOW = 1, 8, 64, 512
@@ -133,6 +138,74 @@ def block_rows(L: int, rounds: int, configs) -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------- issue 13: bf16, packed documents
+DOCS, DOC_LEN = 8, 1024
+
+
+def causal_dtype_rows(L: int, rounds: int) -> list[dict]:
+    """Forward, causal: chunked vs SDPA ``is_causal=True`` in float32 and bfloat16."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (t.to(dtype) for t in _inputs(L))
+        with torch.no_grad():
+            t = side_by_side({
+                "chunked": lambda: chunked_attention(q, k, v, masks.causal()),
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            }, rounds)
+        rows.append({"case": f"causal {str(dtype).replace('torch.', '')}", "L": L, "chunked_s": t["chunked"],
+                     "sdpa_s": t["sdpa"], "chunked/sdpa": t["chunked"] / t["sdpa"],
+                     "bf16_products": _tiles.bf16_products(dtype, q.device)})
+        print(f"{rows[-1]['case']:>16} L={L}: chunked {t['chunked']:.3f} s, sdpa {t['sdpa']:.3f} s, "
+              f"chunked/sdpa = {rows[-1]['chunked/sdpa']:.2f} (bf16 products: {rows[-1]['bf16_products']})", flush=True)
+    return rows
+
+
+def packed_mask(L: int):
+    """(chunked's mask, SDPA's equivalent dense (L, L) bool mask) for DOCS documents, causal."""
+    ids = torch.arange(L) // (L // DOCS)
+    i = torch.arange(L)
+    dense = (ids[:, None] == ids[None, :]) & (i[None, :] <= i[:, None])
+    return masks.from_seqlens([L // DOCS] * DOCS) & masks.causal(), dense
+
+
+def packed_row(rounds: int) -> dict:
+    """Forward+backward of DOCS x DOC_LEN packed tokens, causal per document."""
+    L = DOCS * DOC_LEN
+    q, k, v = _inputs(L, grad=True)
+    grad = torch.randn(B, H, L, D)
+    m, dense = packed_mask(L)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
+
+    t = side_by_side({
+        "chunked": step(lambda: chunked_attention(q, k, v, m)),
+        "sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)),
+    }, rounds, warm_up=False)
+    row = {"case": f"packed {DOCS}x{DOC_LEN} causal fwd+bwd", "L": L, "chunked_s": t["chunked"],
+           "sdpa_s": t["sdpa"], "sdpa/chunked": t["sdpa"] / t["chunked"]}
+    print(f"{row['case']} L={L}: chunked {t['chunked']:.3f} s, sdpa (dense mask) {t['sdpa']:.3f} s, "
+          f"sdpa/chunked = {row['sdpa/chunked']:.2f}", flush=True)
+    return row
+
+
+def issue13_report(rounds: int) -> list[str]:
+    lines = [f"## issue 13: chunked vs SDPA (B=1, H=8, D=64; CPU {_tiles.cpu_features()})", "",
+             "| case | L | chunked s | SDPA s | chunked / SDPA | bf16 products |", "|---|---|---|---|---|---|"]
+    for r in causal_dtype_rows(4096, rounds):
+        lines.append(f"| {r['case']} (forward) | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} | "
+                     f"{r['chunked/sdpa']:.2f} | {'yes' if r['bf16_products'] else 'no'} |")
+    r = packed_row(rounds)
+    lines.append(f"| {r['case']} | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} (dense mask) | "
+                 f"{1 / r['sdpa/chunked']:.2f} (SDPA / chunked = {r['sdpa/chunked']:.2f}) | no |")
+    lines += ["", "| peak extra memory (fresh process), packed fwd+bwd | L | MiB |", "|---|---|---|"]
+    for which in ("packed-chunked+backward", "packed-sdpa+backward"):
+        extra = peak_extra_bytes(which, DOCS * DOC_LEN)
+        print(f"peak extra memory {which}: {extra / 2**20:.0f} MiB", flush=True)
+        lines.append(f"| {which} | {DOCS * DOC_LEN} | {extra / 2**20:.0f} |")
+    return lines
+
+
 # ---------------------------------------------------------------- memory, in a fresh process
 
 
@@ -153,8 +226,12 @@ def _peak_rss_bytes() -> int:
 def _child(which: str, L: int) -> dict:
     backward = which.endswith("+backward")
     q, k, v = _inputs(L, grad=backward)
-    before = _rss_bytes()
-    if which.startswith("chunked"):
+    before = _rss_bytes()  # the dense mask SDPA needs is counted: building it is part of the call
+    if which.startswith("packed-chunked"):
+        out = chunked_attention(q, k, v, masks.from_seqlens([L // DOCS] * DOCS) & masks.causal())
+    elif which.startswith("packed-sdpa"):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_mask(L)[1])
+    elif which.startswith("chunked"):
         out = chunked_attention(q, k, v)
     else:
         out = F.scaled_dot_product_attention(q, k, v)
@@ -180,6 +257,7 @@ def main(argv=None, *, quick: bool = False) -> str:
     p.add_argument("--blocks", default=None, help="compare tile sizes instead, e.g. 256x1024,128x2048")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--only-memory", action="store_true")
+    p.add_argument("--issue13", action="store_true", help="only issue 13's rows (causal fp32/bf16 at 4096, packed)")
     args = p.parse_args([] if argv is None else argv)
     quick = quick or args.quick
     L = args.length or (8192 if quick else 32768)
@@ -188,6 +266,10 @@ def main(argv=None, *, quick: bool = False) -> str:
     head = (f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} cores, load average "
             f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; fp32 matmul {matmul_gflops():.1f} GFLOP/s")
     print(head, flush=True)
+    if args.issue13:
+        report = "\n".join([head, ""] + issue13_report(rounds))
+        print(report)
+        return report
     if args.blocks:
         configs = [tuple(int(x) for x in c.split("x")) for c in args.blocks.split(",")]
         block_rows(L, rounds, configs)

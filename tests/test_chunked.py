@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import chunked, sdpa
+from multihead.backends import _tiles, chunked, sdpa
 from multihead.backends.chunked import chunked_attention
 from oracle import MaskPart, deterministic_algorithms, judge, naive_attention, score_size, torch_threads
 from ref64 import attention64, causal_keep, window_keep, random_qkv
@@ -325,13 +325,13 @@ class MaxNumel(TorchDispatchMode):
 
 @pytest.mark.parametrize("mask,L", [(None, 2048), (masks.causal(), 4096), (masks.window(256), 4096)], ids=repr)
 def test_no_lq_by_lk_tensor_is_created_in_forward_or_backward(mask, L, monkeypatch):
-    monkeypatch.setattr(chunked, "PANEL_SCORES", L * L // 16)
+    monkeypatch.setattr(_tiles, "PANEL_SCORES", L * L // 16)
     q, k, v = qkv(B=1, H=1, Lq=L, D=4, dtype=torch.float32, grad=True)
     with MaxNumel() as mode:
         out = chunked_attention(q, k, v, mask)
         out.sum().backward()
     # the biggest tensor is one panel of scores: at most PANEL_SCORES (here 1/16 of L x L)
-    assert mode.largest <= chunked.PANEL_SCORES
+    assert mode.largest <= _tiles.PANEL_SCORES
     with MaxNumel() as mode:  # the check can fail: the reference backend builds (L, L) scores
         mh.attention(q[..., :1024, :], k[..., :1024, :], v[..., :1024, :], mask, backend="reference")
     assert mode.largest >= 1024 * 1024
@@ -508,8 +508,8 @@ def test_chunked_shift_survives_alibi_with_left_padding():
 @pytest.fixture(params=[True, False], ids=["threads", "calling thread"])
 def threads_setting(request, monkeypatch):
     """Both ways the chunked backend runs: query blocks shared among torch.get_num_threads()
-    threads (each single-threaded), or everything in the calling thread (chunked.THREADS)."""
-    monkeypatch.setattr(chunked, "THREADS", request.param)
+    threads (each single-threaded), or everything in the calling thread (_tiles.THREADS)."""
+    monkeypatch.setattr(_tiles, "THREADS", request.param)
     return request.param
 
 
@@ -538,9 +538,9 @@ def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch, thr
     """Issue 11, defect 5: the workers called torch.set_num_threads(1), which is process-wide, so
     a thread that started during a chunked call ran torch on one thread. A thread started from
     inside every tile computation (forward and backward) sees the caller's thread count, and
-    the work ran where chunked.THREADS says: in 3 threads of their own, or the calling one."""
+    the work ran where _tiles.THREADS says: in 3 threads of their own, or the calling one."""
     seen, where = [], set()
-    scores = chunked._Problem.scores
+    scores = _tiles.Tiles.scores
 
     def spying(self, *args):
         where.add(threading.get_ident())
@@ -549,7 +549,7 @@ def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch, thr
         t.join()
         return scores(self, *args)
 
-    monkeypatch.setattr(chunked._Problem, "scores", spying)
+    monkeypatch.setattr(_tiles.Tiles, "scores", spying)
     q, k, v = qkv(B=1, H=2, Lq=40, D=4, dtype=torch.float32, grad=True)
     with torch_threads(3):
         out = chunked_attention(q, k, v, masks.causal(), block_q=4, block_k=4)
@@ -685,3 +685,17 @@ def test_module_with_chunked_backend_trains_under_cpu_autocast(monkeypatch):
     assert out.dtype == torch.bfloat16
     assert all(g.dtype == torch.float32 for g in grads.values())
     assert_agrees("module, chunked, under autocast", out, grads, oracle, torch.bfloat16)
+
+def test_explain_dispatch_says_which_products_the_tiles_use_and_the_cpu_features(monkeypatch):
+    """Issue 13 item 6: Dispatch.how names the dtype of the matrix products (bfloat16 only for
+    bfloat16 inputs on a CPU with bf16 units, or when forced) and the CPU features it read."""
+    q = torch.randn(1, 2, 8, 4).bfloat16()
+    m = masks.causal() & masks.softcap(5.0)  # sdpa refuses a score mod: auto runs chunked
+    monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
+    monkeypatch.setattr(_tiles, "BF16_PRODUCTS", False)
+    how = mh.explain_dispatch(q, q, q, m).how
+    assert "products, softmax and sums in float32" in how and _tiles.cpu_features() in how
+    monkeypatch.setattr(_tiles, "BF16_PRODUCTS", True)
+    assert "bfloat16 matrix products, softmax and sums in float32" in mh.explain_dispatch(q, q, q, m).how
+    assert "in float32" in mh.explain_dispatch(q.float(), q.float(), q.float(), m).how  # fp32 inputs: never
+    assert _tiles.cpu_features().startswith(torch.backends.cpu.get_cpu_capability())

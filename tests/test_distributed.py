@@ -45,6 +45,12 @@ CASES = {
     "float64_causal_gqa_padding": (2, 4, 2, 6, 8, 8, True, "zigzag", True, torch.float64, False),
     "bfloat16_causal_gqa_padding": (2, 4, 2, 6, 8, 8, True, "zigzag", True, torch.bfloat16, False),
 }
+#: cases whose tokens are packed documents (masks.documents; the ids travel with the keys)
+DOCUMENT_CASES = {
+    "documents_causal_zigzag_padding": (2, 4, 2, 6, 8, 8, True, "zigzag", True, torch.float64, False),
+    "documents_contiguous_gqa": (1, 4, 2, 5, 8, 8, False, "contiguous", False, torch.float64, False),
+}
+CASES.update(DOCUMENT_CASES)
 MODULE_CASE = dict(B=2, d_in=16, heads=4, kv_heads=2, per_rank=4)
 
 
@@ -65,9 +71,21 @@ def _case_tensors(name: str, world: int):
     return q, k, v, keep, dout
 
 
-def _full_mask(name, keep):
+def _case_ids(name: str, L: int):
+    """(1, L) document ids of a DOCUMENT_CASES case (uneven documents whose boundaries fall
+    inside shards and chunks), else None."""
+    if name not in DOCUMENT_CASES:
+        return None
+    cuts = torch.tensor([L // 3, L // 2 + 1, L - 2])
+    return torch.bucketize(torch.arange(L), cuts, right=True).view(1, L)
+
+
+def _full_mask(name, keep, L=None):
     causal = CASES[name][6]
     m = None if keep is None else masks.key_padding(keep)
+    ids = None if L is None else _case_ids(name, L)
+    if ids is not None:
+        m = masks.documents(ids) if m is None else masks.documents(ids) & m
     if causal:
         m = masks.causal() if m is None else masks.causal() & m
     return m
@@ -100,6 +118,10 @@ def _run_cases(group, rank: int, world: int) -> dict:
         shard = lambda t: shard_sequence(t, rank, world, layout).clone().requires_grad_(True)  # noqa: E731
         qs, ks, vs = shard(q), shard(k), shard(v)
         m = None if keep is None else masks.key_padding(shard_sequence(keep, rank, world, layout, dim=-1))
+        ids = _case_ids(name, q.shape[2])
+        if ids is not None:
+            docs = masks.documents(shard_sequence(ids, rank, world, layout, dim=-1))
+            m = docs if m is None else docs & m
         if via_mask:  # causal given as a mask object instead of causal=True
             out = ring_attention(qs, ks, vs, masks.causal() & m, layout=layout, group=group)
         else:
@@ -235,7 +257,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12
 def _attention_and_grads(case, q, k, v, keep, dout):
     """``multihead.attention`` on the whole sequence: {"out", "dq", "dk", "dv"}."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out = mh.attention(q, k, v, _full_mask(case, keep))
+    out = mh.attention(q, k, v, _full_mask(case, keep, q.shape[2]))
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -331,7 +353,7 @@ def _causal_work(rank, world, n, layout):
     total = 0
     for step in range(world):
         k_segs = _segments((rank - step) % world, world, n, layout)
-        total += sum(qs[2] * ks[2] for qs, ks, _, _ in _block_pairs(q_segs, k_segs, True, "cpu"))
+        total += sum(qs[2] * ks[2] for qs, ks, _ in _block_pairs(q_segs, k_segs, True))
     return total
 
 

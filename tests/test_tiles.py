@@ -27,15 +27,28 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import backends
-from multihead.backends import chunked
+from multihead.backends import _tiles, chunked
 from multihead.backends.chunked import chunked_attention
 from oracle import MaskPart, combine, one_thread, torch_threads
 from test_properties import Case, Oracle, assert_agrees, forward_backward, oracle_run
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-#: the tiled backends: name -> attention(q, k, v, mask, block_q=, block_k=)
-TILED = {"chunked": chunked_attention}
+def chunked_bf16_products(*args, **kwargs):
+    """chunked_attention with bfloat16 matrix products forced on (:data:`_tiles.BF16_PRODUCTS`),
+    as on a CPU with AMX / AVX512-BF16 units; the flag is read at the forward and kept for the
+    backward."""
+    before, _tiles.BF16_PRODUCTS = _tiles.BF16_PRODUCTS, True
+    try:
+        return chunked_attention(*args, **kwargs)
+    finally:
+        _tiles.BF16_PRODUCTS = before
+
+
+#: the tiled backends: name -> attention(q, k, v, mask, block_q=, block_k=); the bf16-products
+#: path differs from the plain one for bfloat16 inputs only, so it runs for those
+TILED = {"chunked": chunked_attention, "chunked, bf16 products": chunked_bf16_products}
+BF16_ONLY = {"chunked, bf16 products"}
 
 #: bias offsets of a tile: 0, near and far past float32's exp range (~±87), past float64's (~±709)
 OFFSETS = [0.0, 0.0, -50.0, -90.0, -200.0, -800.0, 50.0, 90.0, 200.0, 800.0]
@@ -47,6 +60,9 @@ def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> No
     oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
     panel_scores, threads = PATHS[path]
     for name, fn in TILED.items():
+        if name in BF16_ONLY and case.dtype != torch.bfloat16:
+            continue
+
         def call(leaves, fn=fn):
             q, k, v, parts = case.assemble(leaves)
             return fn(q, k, v, combine(parts), scale=case.scale, block_q=block_q, block_k=block_k)
@@ -57,7 +73,7 @@ def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> No
         assert_agrees(f"{name} tiles {block_q}x{block_k} ({path})", out, grads, oracle, case.dtype)
 
 
-#: how the tiles are computed: (chunked.PANEL_SCORES, torch threads). "panels": the calling
+#: how the tiles are computed: (_tiles.PANEL_SCORES, torch threads). "panels": the calling
 #: thread merges tiles into panels; "tiles": one tile at a time; "threads": 3 threads share
 #: the query blocks (each single-threaded, so this module's one-thread rule still holds)
 PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
@@ -65,15 +81,15 @@ PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
 
 @contextlib.contextmanager
 def panel_budget(scores):
-    """:data:`chunked.PANEL_SCORES` set to ``scores`` (None: left as it is)."""
+    """:data:`_tiles.PANEL_SCORES` set to ``scores`` (None: left as it is)."""
     if scores is None:
         yield
         return
-    before, chunked.PANEL_SCORES = chunked.PANEL_SCORES, scores
+    before, _tiles.PANEL_SCORES = _tiles.PANEL_SCORES, scores
     try:
         yield
     finally:
-        chunked.PANEL_SCORES = before
+        _tiles.PANEL_SCORES = before
 
 
 def make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=0) -> Case:
@@ -239,3 +255,16 @@ def test_largest_scale_gives_the_exact_hard_maximum(backend, dtype):
     assert torch.equal(out, expect)
     weights = multihead.attention_weights(q, k, scale=2.0 ** 64)
     assert torch.equal(weights, torch.nn.functional.one_hot(best, k.shape[2]).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_exp_floor_is_exp_above_it_zero_at_or_below_and_keeps_nan(dtype):
+    """The kernel's exp: bit-equal to torch.exp above the floor (-80), exactly 0 at or below it
+    and for -inf (a hidden score), NaN and +inf as IEEE says."""
+    x = torch.tensor([0.0, -1.5, -79.9, -80.0, -80.5, -100.0, -800.0, float("-inf"), float("nan"), float("inf"), 3.0],
+                     dtype=dtype)
+    got = _tiles._exp_(x.clone())
+    above = x > _tiles.EXP_FLOOR
+    assert torch.equal(got[above], torch.exp(x[above]))
+    assert torch.equal(got[x <= _tiles.EXP_FLOOR], torch.zeros_like(got[x <= _tiles.EXP_FLOOR]))
+    assert torch.isnan(got[8]) and got[9] == float("inf")

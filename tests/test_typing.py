@@ -27,13 +27,22 @@ multihead.attention(q, k, v, mask=None, scale=0.5, dropout_p=0.0)
 w: torch.Tensor = multihead.attention_weights(q, k, masks.keep(torch.ones(4, 4, dtype=torch.bool)), heads=[0])
 mask: masks.MaskLike = torch.zeros(4, 4)
 print(multihead.explain_dispatch(q, k, v, mask).backend)
+o, lse = multihead.attention(q, k, v, return_lse=True)
+both: tuple[torch.Tensor, torch.Tensor] = multihead.merge([o, o], [lse, lse])
 """
 
 #: each line a wrong call, with what mypy must say about it
 BAD = [
-    ("multihead.attention(q, k, v, mask=3)", 'argument "mask" to "attention" has incompatible type "int"'),
-    ("multihead.attention(q, k, v, mask=[[True]])", 'argument "mask" to "attention" has incompatible type'),
-    ("multihead.attention(q, k, v, backend='sdpaa')", 'argument "backend" to "attention" has incompatible type'),
+    # attention is overloaded on return_lse (Tensor, or (out, lse) for return_lse=True), so mypy
+    # names the call's argument types, the wrong one among them, instead of the parameter
+    ("multihead.attention(q, k, v, mask=3)",
+     'no overload variant of "attention" matches argument types "tensor", "tensor", "tensor", "int"'),
+    ("multihead.attention(q, k, v, mask=[[True]])",
+     'no overload variant of "attention" matches argument types "tensor", "tensor", "tensor", "list[list[bool]]"'),
+    ("multihead.attention(q, k, v, backend='sdpaa')",
+     'no overload variant of "attention" matches argument types "tensor", "tensor", "tensor", "str"'),
+    ("multihead.attention(q, k, v, return_lse=1)", 'no overload variant of "attention" matches argument types'),
+    ("a, b, c = multihead.attention(q, k, v, return_lse=True)", "need more than 2 values to unpack"),
     ("multihead.attention_weights(q, k, mask='causal')", 'argument "mask" to "attention_weights"'),
     ("n: int = multihead.attention(q, k, v)", 'incompatible types in assignment (expression has type "Tensor"'),
 ]

@@ -11,7 +11,8 @@
 
 Public surface:
 
-* :func:`attention`, :func:`attention_weights`, :func:`explain_dispatch` -- functional core
+* :func:`attention`, :func:`attention_weights`, :func:`explain_dispatch` -- functional core;
+  :func:`merge` combines attention over disjoint key sets (``attention(..., return_lse=True)``)
 * :mod:`multihead.masks` -- one mask convention: True = may attend
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
 * :class:`multihead.nn.MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``
@@ -25,7 +26,7 @@ Public surface:
 from . import backends, masks, nn, steps
 from .cache import KVCache, KVCaches, StaticKVCache
 from .config import AttentionConfig
-from .functional import attention, attention_weights, explain_dispatch
+from .functional import attention, attention_weights, explain_dispatch, merge
 from .module import MultiHeadAttention
 from .per_head import PerHeadAttention
 from .rope import RoPE
@@ -42,6 +43,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "explain_dispatch",
+    "merge",
     "masks",
     "backends",
     "nn",

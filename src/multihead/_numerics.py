@@ -1,4 +1,5 @@
-"""Numbers every backend shares: the default scale and the dtype autocast dictates.
+"""Numbers every backend shares: the default scale, the compute dtype, the finite row max, and
+the dtype autocast dictates.
 
 One copy of each, so that two paths cannot differ in the last bit (``D ** -0.5`` and
 ``1 / math.sqrt(D)`` do for 218 head dims D <= 1024).
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AUTOCAST_ELIGIBLE", "default_scale", "autocast_dtype", "autocast_inputs", "outside_autocast"]
+__all__ = ["AUTOCAST_ELIGIBLE", "default_scale", "compute_dtype", "finite_row_max", "autocast_dtype", "autocast_inputs", "outside_autocast"]
 
 #: dtypes autocast may cast (float64 is never cast, as in torch's own autocast)
 AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -21,6 +22,20 @@ AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 def default_scale(head_dim: int) -> float:
     """1/√D, the scale of the scores when none is given (1 for D = 0)."""
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores, softmax and sums are computed in: float32 for the half types, the dtype
+    itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def finite_row_max(scores: torch.Tensor) -> torch.Tensor:
+    """The max over the last axis (kept as size 1), with -inf (a row with no visible key) read
+    as 0, so that ``exp(scores - max)`` is 0 there and never NaN. Not differentiated (a shift
+    changes no softmax)."""
+    top = scores.amax(dim=-1, keepdim=True).detach()
+    return top.masked_fill(top == float("-inf"), 0.0)
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:

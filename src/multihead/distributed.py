@@ -54,8 +54,9 @@ from torch.autograd.function import once_differentiable
 
 from . import masks as _masks
 from ._checks import check_qkv, check_scale
-from ._numerics import default_scale
-from .backends.reference import compute_dtype
+from ._numerics import compute_dtype, default_scale
+from .backends import _tiles
+from .backends import chunked as _chunked
 
 __all__ = [
     "LAYOUTS",
@@ -71,11 +72,6 @@ __all__ = [
 LAYOUTS = ("contiguous", "zigzag")
 
 _NEG_INF = float("-inf")
-
-#: at most this many scores are materialised at once per (query tile, key block); the query
-#: rows of a block are processed in tiles so that a rank's memory stays O(L/P), not O((L/P)²)
-TILE_SCORES = 1 << 21
-
 
 class RingError(RuntimeError):
     """A send or receive of the ring, or its agreement check, failed: a peer rank died, left, or
@@ -277,7 +273,7 @@ _TAG_GRAD = 8  # dk, dv travelling home
 #   2-7          B, H, Hkv, Lk, D, Dv of q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)
 #   8 dtype      index in _DTYPES
 #   9 device     the device type's name (e.g. "cpu", "cuda"), ASCII, first 8 bytes, little-endian
-#  10 padding    1 if a key padding tensor travels with the keys, else 0
+#  10 padding    bit 0: a key padding tensor travels with the keys; bit 1: document ids do
 #  11 causal     1 or 0
 #  12 layout     index in LAYOUTS with causal masking, -1 without (the layout is then unused)
 #  13 scale      the float64 bits of the scale, as an int64 (compared bit for bit)
@@ -320,7 +316,9 @@ _FIELDS = (
     ("value head dim Dv", str, _SAME_MODEL),
     ("dtype", lambda c: str(_DTYPES[c]), "cast q, k and v to one dtype on every rank, e.g. .to(torch.bfloat16)"),
     ("device type", _unpack_name, "put every rank's q, k and v on the same kind of device (each rank its own GPU, or all on CPU)"),
-    ("key padding", lambda c: ("no", "yes")[c], "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding)"),
+    ("key padding", lambda c: ("no", "yes")[c & 1] + (" (and document ids)" if c & 2 else ""),
+     "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding), "
+     "and masks.documents(ids) likewise"),
     ("causal", lambda c: str(bool(c)), "pass the same causal= on every rank (mask=masks.causal() counts as causal=True)"),
     ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]), "pass the layout the shards were cut with, the same on every rank"),
     ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
@@ -334,7 +332,8 @@ def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> 
     B, H, _, D = q.shape
     return [
         _FORMAT, _PASSES.index(phase), B, H, k.shape[1], k.shape[2], D, v.shape[-1],
-        _DTYPES.index(q.dtype), _pack_name(q.device.type), keep is not None, spec.causal,
+        _DTYPES.index(q.dtype), _pack_name(q.device.type), int(keep is not None) | (2 if spec.ids is not None else 0),
+        spec.causal,
         LAYOUTS.index(spec.layout) if spec.causal else -1, _float_bits(spec.scale), records_graph,
     ]
 
@@ -404,110 +403,98 @@ def _announce_rejection(group, timeout) -> None:
             pass
 
 
-# ---------------------------------------------------------------------------------- block math
-def _masked_scores(q, kt, keep, q_pos, k_pos):
-    """Scores (B, Hkv, g, T, Lk) for q (B, Hkv, g, T, D) (already scaled), kt (B, Hkv, D, Lk);
-    -inf where not visible.
+# ---------------------------------------------------------------------------------- block work
+# Each ring step is the tile kernel (multihead.backends._tiles) on one (query segment, key
+# segment) pair, with the pair's mask in local coordinates: key padding from the keep tensor
+# that travels with the keys, and causal on the diagonal pairs (equal global positions). The
+# partial results are combined with the kernel's merge, the rule of the module docstring.
+def _block_pairs(q_segs, k_segs, causal: bool):
+    """(q segment, k segment, diagonal) for every pair of segments with a visible key.
 
-    keep: (B, Lk) bool or None. q_pos (T,), k_pos (Lk,): global positions for a causal block
-    that is only partly visible, else None.
-    """
-    B, Hkv, g, T, D = q.shape
-    s = torch.matmul(q.reshape(B, Hkv, g * T, D), kt).view(B, Hkv, g, T, -1)
-    blocked = None if keep is None else ~keep[:, None, None, None, :]
-    if q_pos is not None:
-        after = k_pos[None, :] > q_pos[:, None]
-        blocked = after if blocked is None else blocked | after
-    if blocked is not None:
-        s.masked_fill_(blocked, _NEG_INF)
-    return s
-
-
-def _tiles(q, lk):
-    """Query-row ranges so that one tile's scores hold at most TILE_SCORES elements."""
-    B, Hkv, g, Lq, _ = q.shape
-    step = max(1, TILE_SCORES // max(1, B * Hkv * g * lk))
-    return [(t, min(Lq, t + step)) for t in range(0, Lq, step)]
-
-
-def _attend_block(q, k, v, keep, q_pos, k_pos, out, lse):
-    """Merge attention of q to one key block into the running ``out`` and ``lse``, in place.
-
-    q (B, Hkv, g, Lq, D) already multiplied by the scale, k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv),
-    in the compute dtype; out (B, Hkv, g, Lq, Dv) and lse (B, Hkv, g, Lq) accumulate over
-    blocks (lse = -inf: no visible key yet).
-    """
-    B, Hkv, g, _, _ = q.shape
-    kt = k.transpose(-2, -1)
-    for t0, t1 in _tiles(q, k.shape[-2]):
-        p = _masked_scores(q[..., t0:t1, :], kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos)
-        m = p.amax(dim=-1)
-        m.masked_fill_(m == _NEG_INF, 0.0)  # a row with no visible key: p = 0 below
-        p.sub_(m[..., None]).exp_()
-        total = p.sum(dim=-1)
-        o = torch.matmul(p.view(B, Hkv, g * (t1 - t0), -1), v).view(B, Hkv, g, t1 - t0, -1)
-        block_out = o / total.clamp(min=1.0)[..., None]  # total >= 1 when any key is visible
-        block_lse = m + torch.log(total)  # -inf when no key is visible
-        old_lse = lse[..., t0:t1]
-        new_lse = torch.logaddexp(old_lse, block_lse)
-        ref = new_lse.masked_fill(new_lse == _NEG_INF, 0.0)
-        out[..., t0:t1, :] = out[..., t0:t1, :] * torch.exp(old_lse - ref)[..., None] + block_out * torch.exp(block_lse - ref)[..., None]
-        lse[..., t0:t1] = new_lse
-
-
-def _attend_block_backward(q, k, v, keep, q_pos, k_pos, dout, lse, delta, dq, dk, dv):
-    """Add this key block's share of the gradients: dq (local) and dk, dv (the block's), in place.
-
-    q (B, Hkv, g, Lq, D) already scaled; dq gets ds·k, to be multiplied by the scale once at
-    the end; dout (B, Hkv, g, Lq, Dv); lse, delta (B, Hkv, g, Lq) with delta = rowsum(dout * out);
-    k, dk (B, Hkv, Lk, D); v, dv (B, Hkv, Lk, Dv).
-    """
-    B, Hkv, g, _, D = q.shape
-    kt, vt = k.transpose(-2, -1), v.transpose(-2, -1)
-    for t0, t1 in _tiles(q, k.shape[-2]):
-        rows = g * (t1 - t0)
-        qt = q[..., t0:t1, :]
-        p = _masked_scores(qt, kt, keep, None if q_pos is None else q_pos[t0:t1], k_pos)
-        row_lse = lse[..., t0:t1]
-        row_lse = row_lse.masked_fill(row_lse == _NEG_INF, float("inf"))  # empty rows: p = 0
-        p = p.sub_(row_lse[..., None]).exp_().view(B, Hkv, rows, -1)  # the softmax weights
-        do = dout[..., t0:t1, :].reshape(B, Hkv, rows, -1)
-        dv += torch.matmul(p.transpose(-2, -1), do)
-        ds = torch.matmul(do, vt)  # d weights
-        ds.sub_(delta[..., t0:t1].reshape(B, Hkv, rows, 1)).mul_(p)  # d scores (before the scale)
-        dq[..., t0:t1, :] += torch.matmul(ds, k).view(B, Hkv, g, t1 - t0, D)
-        dk += torch.matmul(ds.transpose(-2, -1), qt.reshape(B, Hkv, rows, D))
-
-
-def _block_pairs(q_segs, k_segs, causal: bool, device):
-    """(q segment, k segment, q_pos, k_pos) for every pair of segments with a visible key.
-
-    Without causal masking each rank's shard is one segment. With it, a key segment wholly
-    before the query segment is fully visible (no positions needed), one wholly after is
-    skipped, and an overlapping one gets its global positions for the triangular mask.
+    Without causal masking each rank's shard is one segment. With it, segments are chunks of
+    one grid: a key segment wholly before the query segment is fully visible, one wholly after
+    is skipped, and the one at the same global positions is the diagonal (triangular) pair.
     """
     for qs in q_segs:
         for ks in k_segs:
             (_, qg, qn), (_, kg, kn) = qs, ks
             if not causal or kg + kn - 1 <= qg:
-                yield qs, ks, None, None
+                yield qs, ks, False
             elif kg <= qg + qn - 1:
-                yield qs, ks, torch.arange(qg, qg + qn, device=device), torch.arange(kg, kg + kn, device=device)
+                yield qs, ks, True
 
 
-def _pieces(q_segs, k_segs, causal, device, q, k, v, keep):
-    for (ql, _, qn), (kl, _, kn), q_pos, k_pos in _block_pairs(q_segs, k_segs, causal, device):
+def _block(k, v, keep, ids) -> list[torch.Tensor]:
+    """What travels round the ring: k, v, and the key padding and document ids when given."""
+    return [k, v] + ([] if keep is None else [keep]) + ([] if ids is None else [ids])
+
+
+def _unblock(block, has_keep: bool, has_ids: bool):
+    """(keep, ids) of a received :func:`_block`, each None when not sent."""
+    rest = iter(block[2:])
+    return (next(rest) if has_keep else None), (next(rest) if has_ids else None)
+
+
+def _pieces(q_segs, k_segs, causal, q, k, v, keep, q_ids=None, k_ids=None):
+    """(query rows, q, k, v, keep, diagonal, key rows, (q ids, k ids) or None) of each pair of
+    :func:`_block_pairs`."""
+    for (ql, _, qn), (kl, _, kn), diagonal in _block_pairs(q_segs, k_segs, causal):
         yield (
             slice(ql, ql + qn), q[..., ql:ql + qn, :], k[..., kl:kl + kn, :], v[..., kl:kl + kn, :],
-            None if keep is None else keep[:, kl:kl + kn], q_pos, k_pos, slice(kl, kl + kn),
+            None if keep is None else keep[:, kl:kl + kn], diagonal, slice(kl, kl + kn),
+            None if q_ids is None else (q_ids[:, ql:ql + qn], k_ids[:, kl:kl + kn]),
         )
+
+
+def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None) -> _tiles.Tiles:
+    """The tile kernel's problem for q (B, H, n, D) against one key segment k (B, Hkv, m, D),
+    v (B, Hkv, m, Dv), with key padding ``keep`` (B, m) or None, document ids ``(q ids (B|1, n),
+    k ids (B|1, m))`` or None, causal when ``diagonal`` (the segments hold the same positions,
+    so causal per document is causal by position there)."""
+    mask = None if keep is None else _masks.key_padding(keep)
+    if ids is not None:
+        docs = _masks.documents(ids[0], ids[1])
+        mask = docs if mask is None else docs & mask
+    if diagonal:
+        mask = _masks.causal() if mask is None else _masks.causal() & mask
+    groups = q.shape[1] // k.shape[1]
+    return _tiles.Tiles(q, k, v, mask, (), scale=scale, block_q=_chunked.default_block_q(groups),
+                        block_k=_chunked.BLOCK_K, mask_shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
+                        bf16=_tiles.bf16_products(q.dtype, q.device))
+
+
+def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None):
+    """Merge attention of q to one key segment into the running ``out`` and ``lse``, in place.
+
+    q (B, H, n, D), k (B, Hkv, m, D), v (B, Hkv, m, Dv) as the caller has them; out
+    (B, H, n, Dv) and lse (B, H, n) in the compute dtype accumulate over segments (lse = -inf:
+    no visible key yet).
+    """
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
+    block_out, block_lse = tiles.forward()
+    merged_out, merged_lse = _tiles.merge([out, tiles.ungroup_rows(block_out)], [lse, tiles.ungroup_lse(block_lse)])
+    out.copy_(merged_out)
+    lse.copy_(merged_lse)
+
+
+def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None):
+    """Add this key segment's share of the gradients into dq (B, H, n, D) (local) and dk
+    (B, Hkv, m, D), dv (B, Hkv, m, Dv) (the segment's), in place; out, lse, dout are the
+    whole sequence's (compute dtype), so p = exp(s - lse) are the final softmax weights."""
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
+    dqs, dks, dvs, _, _ = tiles.backward(tiles.group_rows(out), tiles.group_lse(lse), tiles.group_rows(dout), None)
+    dq += tiles.ungroup_rows(dqs)
+    dk += dks.view(dk.shape)
+    dv += dvs.view(dv.shape)
 
 
 class _Spec:
     """What the ring needs besides the tensors: the group, layout and masking choices."""
 
-    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float):
+    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float, ids: Optional[torch.Tensor] = None):
         self.ring, self.causal, self.layout, self.scale = ring, causal, layout, scale
+        #: this rank's (B|1, L/P) document ids (masks.documents), or None; they travel with the keys
+        self.ids = ids
 
     def segments(self, owner: int, local_len: int):
         if not self.causal:
@@ -519,28 +506,26 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, spec: _Spec):
         ring = spec.ring
-        B, H, Lq, D = q.shape
-        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        B, H, Lq, _ = q.shape
         cdt = compute_dtype(q.dtype)
-        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt) * spec.scale
-        out = q5.new_zeros(B, Hkv, H // Hkv, Lq, Dv)
-        lse = q5.new_full((B, Hkv, H // Hkv, Lq), _NEG_INF)
+        out = q.new_zeros(B, H, Lq, v.shape[-1], dtype=cdt)
+        lse = q.new_full((B, H, Lq), _NEG_INF, dtype=cdt)
         q_segs = spec.segments(ring.rank, Lq)
-        block = [k, v] + ([] if keep is None else [keep])
+        block = _block(k, v, keep, spec.ids)
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
             pending = None
             if step < ring.size - 1:  # start passing the block on while computing with it
                 pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
-            kb, vb = block[0].to(cdt), block[1].to(cdt)
-            kp = block[2] if keep is not None else None
-            for qsl, qb, kbs, vbs, kps, q_pos, k_pos, _ in _pieces(q_segs, spec.segments(owner, Lk), spec.causal, q.device, q5, kb, vb, kp):
-                _attend_block(qb, kbs, vbs, kps, q_pos, k_pos, out[..., qsl, :], lse[..., qsl])
+            kp, kids = _unblock(block, keep is not None, spec.ids is not None)
+            for qsl, qb, kb, vb, kps, diagonal, _, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                  q, block[0], block[1], kp, spec.ids, kids):
+                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids)
             if pending is not None:
                 block = pending.wait()
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, keep, out, lse)
-        return out.flatten(1, 2).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
@@ -549,15 +534,12 @@ class _RingAttention(torch.autograd.Function):
         spec = ctx.spec
         ring = spec.ring
         _agree(ring, _describe(spec, q, k, v, keep, "backward", True))
-        B, H, Lq, D = q.shape
-        Hkv, Lk = k.shape[1], k.shape[2]
+        Lq = q.shape[2]
         cdt = out.dtype
-        q5 = q.unflatten(1, (Hkv, H // Hkv)).to(cdt) * spec.scale
-        dout = grad_out.unflatten(1, (Hkv, H // Hkv)).to(cdt)
-        delta = (dout * out).sum(dim=-1)
-        dq = torch.zeros_like(q5)
+        dout = grad_out.to(cdt)
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         q_segs = spec.segments(ring.rank, Lq)
-        block = [k, v] + ([] if keep is None else [keep])
+        block = _block(k, v, keep, spec.ids)
         grads_out = None  # (dk, dv) of the block held in the previous step, summed so far
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
@@ -566,14 +548,13 @@ class _RingAttention(torch.autograd.Function):
                 pending_kv = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks (backward)", step=step)
             if grads_out is not None:  # the previous block's gradients move on with it
                 pending_grad = ring.shift(grads_out, tag=_TAG_GRAD, what="passing dk/dv", step=step)
-            kb, vb = block[0].to(cdt), block[1].to(cdt)
-            kp = block[2] if keep is not None else None
-            dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-            for qsl, qb, kbs, vbs, kps, q_pos, k_pos, ksl in _pieces(q_segs, spec.segments(owner, Lk), spec.causal, q.device, q5, kb, vb, kp):
-                _attend_block_backward(
-                    qb, kbs, vbs, kps, q_pos, k_pos, dout[..., qsl, :], lse[..., qsl],
-                    delta[..., qsl], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :],
-                )
+            kp, kids = _unblock(block, keep is not None, spec.ids is not None)
+            dk = torch.zeros(block[0].shape, dtype=cdt, device=q.device)
+            dv = torch.zeros(block[1].shape, dtype=cdt, device=q.device)
+            for qsl, qb, kb, vb, kps, diagonal, ksl, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                    q, block[0], block[1], kp, spec.ids, kids):
+                _attend_block_backward(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl],
+                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids)
             if pending_grad is not None:
                 dk_in, dv_in = pending_grad.wait()
                 dk, dv = dk + dk_in, dv + dv_in
@@ -583,30 +564,39 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:  # the last block's gradients are complete: send them home
             grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1).wait()
         dk, dv = grads_out
-        dq = dq.mul_(spec.scale).flatten(1, 2)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 # ---------------------------------------------------------------------------------- public
-def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor]]:
-    """(has a causal part, the (B, Lk) keep tensor or None) of a mask the ring can carry."""
+def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(has a causal part, the (B, Lk) keep tensor or None, the (B|1, Lk) document ids or None)
+    of a mask the ring can carry."""
     m = _masks.as_mask(mask)
     if m is None:
-        return False, None
-    causal, keep = False, None
+        return False, None, None
+    causal, keep, ids = False, None, None
     for part in m.parts:
         if isinstance(part, _masks.Causal):
             causal = True
         elif isinstance(part, _masks.KeyPadding):
             part.check(shape, device)
             keep = part.tensor if keep is None else keep & part.tensor
+        elif isinstance(part, _masks.Documents) and part.kv_ids is part.q_ids:
+            if part.q_ids.shape[-1] != shape[3] or shape[2] != shape[3] or part.q_ids.shape[0] not in (1, shape[0]):
+                raise ValueError(
+                    f"ring_attention takes masks.documents(ids) with ids (B, L/P) this rank's shard of the "
+                    f"sequence's ids (shard_sequence(ids, rank, P, layout, dim=-1)), for q and k cut from one "
+                    f"sequence; got ids of shape {tuple(part.q_ids.shape)} for q {shape[2]} and k {shape[3]} tokens")
+            part.check(shape, device)
+            ids = part.q_ids
         else:
             raise ValueError(
                 f"ring_attention takes mask=None, masks.key_padding(keep) with this rank's (B, Lk) "
-                f"shard of keep, or masks.causal(); got {part!r}. A dense (Lq, Lk) mask or bias cannot "
-                "travel with the key blocks: use causal=True for causal attention and key_padding for padding"
+                f"shard of keep, masks.documents(ids) with this rank's shard of the ids, or masks.causal(); "
+                f"got {part!r}. A dense (Lq, Lk) mask or bias cannot travel with the key blocks: use "
+                "causal=True for causal attention and key_padding for padding"
             )
-    return causal, keep
+    return causal, keep, ids
 
 
 def _check_timeout(timeout) -> None:
@@ -615,7 +605,7 @@ def _check_timeout(timeout) -> None:
 
 
 def _check_call(q, k, v, mask, causal, scale, layout, timeout):
-    """(scale, causal, layout, keep) of a ring_attention call, from this rank's arguments alone."""
+    """(scale, causal, layout, keep, ids) of a ring_attention call, from this rank's arguments alone."""
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[-1])
     if not isinstance(causal, bool):
@@ -623,7 +613,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
     _check_timeout(timeout)
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
-    mask_causal, keep = _split_mask(mask, (B, H, Lq, Lk), q.device)
+    mask_causal, keep, ids = _split_mask(mask, (B, H, Lq, Lk), q.device)
     causal = causal or mask_causal
     layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
     if causal and Lq != Lk:
@@ -636,7 +626,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
             f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
             "pad the sequence to a multiple of 2P"
         )
-    return scale, causal, layout, keep
+    return scale, causal, layout, keep, ids
 
 
 def ring_attention(
@@ -658,8 +648,10 @@ def ring_attention(
         k: (B, Hkv, Lk, D), this rank's keys; Hkv divides H (GQA: query head i reads kv head i // g).
         v: (B, Hkv, Lk, Dv), this rank's values.
         mask: None, or ``masks.key_padding(keep)`` with keep (B, Lk) this rank's shard of the
-            padding (True = real token; it travels with the keys), optionally ``& masks.causal()``.
-            Other masks raise ValueError.
+            padding (True = real token; it travels with the keys), and/or ``masks.documents(ids)``
+            with ids (B|1, L/P) this rank's shard of packed documents' ids (they travel with the
+            keys too; only tiles within a document are computed), optionally ``& masks.causal()``
+            (per document). Other masks raise ValueError.
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         group: the process group whose ranks hold the shards (default: the whole world), in
@@ -690,11 +682,11 @@ def ring_attention(
     does waits ``timeout`` seconds, then raises :class:`RingError`.
     """
     try:  # the checks of this rank's own arguments
-        scale, causal, layout, keep = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+        scale, causal, layout, keep, ids = _check_call(q, k, v, mask, causal, scale, layout, timeout)
     except (TypeError, ValueError):
         _announce_rejection(group, timeout)
         raise
-    spec = _Spec(_Ring(group, timeout), causal, layout, scale)
+    spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids)
     records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
     return _RingAttention.apply(q, k, v, keep, spec)

@@ -7,7 +7,7 @@ Dv value head dim.
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union, overload
 
 import torch
 
@@ -15,6 +15,7 @@ from . import backends as _backends
 from . import trace as _trace
 from ._checks import check_dropout, check_indices, check_qkv, check_scale
 from ._numerics import autocast_dtype, autocast_inputs, outside_autocast
+from .backends import _tiles
 from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .backends import sdpa as _sdpa
@@ -25,7 +26,7 @@ from .masks import Mask, MaskLike, as_mask
 #: query heads or positions to select: a sequence of ints or a 1-D integer tensor
 Indices = Union[Sequence[int], torch.Tensor]
 
-__all__ = ["attention", "attention_weights", "explain_dispatch"]
+__all__ = ["attention", "attention_weights", "explain_dispatch", "merge"]
 
 
 def _prepare(
@@ -40,6 +41,16 @@ def _prepare(
     return m, scale, dropout_p
 
 
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+              scale: Optional[float] = None, dropout_p: float = 0.0, backend: BackendName = "auto",
+              return_lse: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+              scale: Optional[float] = None, dropout_p: float = 0.0, backend: BackendName = "auto",
+              return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,7 +60,8 @@ def attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     backend: BackendName = "auto",
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Scaled dot-product attention over heads, with grouped-query support.
 
     >>> import torch, multihead
@@ -87,16 +99,101 @@ def attention(
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
         backend: "auto", "reference", "sdpa", "chunked" (see `multihead.backends.names`);
             ``explain_dispatch`` says which one "auto" runs and why.
+        return_lse: also return the log-sum-exp of each row, for `merge` (backends that can
+            give it: see ``explain_dispatch(..., need_lse=True)``; "auto" picks one of them).
 
     Returns:
-        (B, H, Lq, Dv). A query row with no visible key gives 0.
+        (B, H, Lq, Dv). A query row with no visible key gives 0. With ``return_lse=True``,
+        ``(out, lse)``: lse (B, H, Lq) in float32 (float64 for float64 inputs), log Σ_j exp(s_ij)
+        over the final scores s (scaled, biased, modded, masked; with a sink part the sink
+        term is in the sum), -inf for a row with no visible key; differentiable.
 
     With ``dropout_p > 0`` the weights pass through ``torch.dropout(weights, dropout_p, True)``
     before ``@ v``.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
+    if return_lse:
+        return attend_with_lse(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
     return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float,
+                    dropout_p: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` for ``return_lse=True``: ``(out, lse)`` from a backend that gives the lse."""
+    tr = _trace.current()
+    chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p, need_lse=True), tr)
+    if tr is not None:
+        tr.set_config(backend=chosen.name)
+    assert chosen.lse_fn is not None, "resolve refuses backends without lse_fn for need_lse"
+    with outside_autocast(q.device.type):
+        return chosen.lse_fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+
+
+def merge(outputs: Union[Sequence[torch.Tensor], torch.Tensor],
+          lses: Union[Sequence[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over disjoint key sets into attention over their union, exactly.
+
+    >>> import torch, multihead
+    >>> q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    >>> a = multihead.attention(q, k[:, :, :2], v[:, :, :2], return_lse=True)   # keys 0, 1
+    >>> b = multihead.attention(q, k[:, :, 2:], v[:, :, 2:], return_lse=True)   # keys 2 .. 5
+    >>> out, lse = multihead.merge([a[0], b[0]], [a[1], b[1]])
+    >>> torch.allclose(out, multihead.attention(q, k, v), atol=1e-6)
+    True
+
+    Args:
+        outputs: S partial outputs (B, H, Lq, Dv) (any leading axes, the same for all), each
+            attention of the same queries over one key set, as a list/tuple or stacked
+            (S, B, H, Lq, Dv) (xFormers' ``merge_attentions`` layout).
+        lses: their log-sum-exps (B, H, Lq), from ``attention(..., return_lse=True)``, as a
+            list/tuple or stacked (S, B, H, Lq); -inf for a row with no key in that part.
+
+    Returns:
+        ``(out, lse)``: out = Σ_s exp(lse_s - lse) · out_s in the outputs' dtype, lse =
+        log Σ_s exp(lse_s) in the lses' dtype (at least float32); a row with no key in any part
+        gives out 0 and lse -inf. Differentiable in every output and lse (no NaN gradients
+        for empty rows). The key sets must not overlap (a key in two parts counts twice).
+    """
+    outs = _parts(outputs, "outputs")
+    ls = _parts(lses, "lses")
+    if len(outs) != len(ls):
+        raise ValueError(f"merge needs one lse per output: got {len(outs)} outputs and {len(ls)} lses")
+    first = outs[0]
+    for i, (o, l) in enumerate(zip(outs, ls)):
+        if o.shape != first.shape or o.dtype != first.dtype or o.device != first.device:
+            raise ValueError(
+                f"outputs[{i}] is {tuple(o.shape)} {o.dtype} on {o.device} but outputs[0] is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}; every part must be the same queries' "
+                "attention (same shape, dtype and device)")
+        if not l.is_floating_point():
+            raise TypeError(f"lses[{i}] must be a float tensor (a log-sum-exp), got {l.dtype}")
+        if o.dim() < 1 or tuple(l.shape) != tuple(o.shape[:-1]) or l.device != o.device:
+            raise ValueError(
+                f"lses[{i}] has shape {tuple(l.shape)} on {l.device} but must be outputs[{i}].shape[:-1] = "
+                f"{tuple(o.shape[:-1])} on {o.device}: one log-sum-exp per query row, as attention(..., "
+                "return_lse=True) returns it")
+    cdt = torch.float32
+    for l in ls:
+        cdt = torch.promote_types(cdt, l.dtype)
+    return _tiles.merge(outs, [l.to(cdt) for l in ls])
+
+
+def _parts(x: object, name: str) -> list[torch.Tensor]:
+    """A list/tuple of tensors, or a stacked tensor split on its first axis; checked non-empty."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() < 2:
+            raise ValueError(f"{name} as one tensor must be stacked parts (S, ...), got shape {tuple(x.shape)}")
+        parts = list(x.unbind(0))
+    elif isinstance(x, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in x):
+        parts = list(x)
+    else:
+        raise TypeError(f"{name} must be a list or tuple of tensors (or one stacked tensor), got {type(x).__name__}")
+    if not parts:
+        raise ValueError(f"{name} is empty; merge needs at least one part")
+    return parts
 
 
 def attend(
@@ -231,10 +328,12 @@ def explain_dispatch(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     compiling: Optional[bool] = None,
+    need_lse: bool = False,
 ) -> _backends.Dispatch:
     """Which backend ``backend="auto"`` would run for this call, how, and why each other was refused.
 
     ``need_weights=True`` asks for a backend that also returns the weights (only ``reference``).
+    ``need_lse=True`` asks for a backend that also returns the log-sum-exp (``return_lse=True``).
     ``compiling=True`` asks what ``auto`` runs inside ``torch.compile`` (default: whether this
     call is itself being compiled); there ``chunked`` is routed around.
     ``Dispatch.how`` says how the chosen backend runs the call where it can tell: for ``sdpa``,
@@ -246,4 +345,5 @@ def explain_dispatch(
     size (Lq, Lk) is built.
     """
     m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
-    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights), compiling))
+    return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights), compiling,
+                                                          bool(need_lse)))

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from . import masks as _masks
 from ._checks import check_heads, check_module_inputs, check_positive_int
-from .backends.reference import compute_dtype
+from ._numerics import compute_dtype
 from .config import AttentionConfig, _resolved
 from .functional import attention
 

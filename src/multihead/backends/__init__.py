@@ -1,6 +1,8 @@
 """Attention backends behind one signature, in a small registry.
 
-Every backend is a function ``fn(q, k, v, mask, *, scale, dropout_p) -> out`` with
+Every backend is a function ``fn(q, k, v, mask, *, scale, dropout_p) -> out`` (and, if it can
+give the log-sum-exp, ``lse_fn(...)`` with the same arguments ``-> (out, lse)``, lse (B, H, Lq)
+float, -inf for a row with no visible key) with
 q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), ``mask`` a `multihead.masks.Mask`
 or None, and out (B, H, Lq, Dv). Inputs arrive validated. Each backend also says, for a given
 call, why it cannot take it (or None when it can), and may say why ``"auto"`` should not pick it
@@ -42,6 +44,8 @@ class Call:
     need_weights: bool = False
     #: whether the call is traced by torch.compile (None: ask ``torch.compiler.is_compiling()``)
     compiling: Optional[bool] = None
+    #: whether the caller wants the log-sum-exp too (``return_lse=True``)
+    need_lse: bool = False
 
     @property
     def under_compile(self) -> bool:
@@ -58,6 +62,8 @@ class Backend:
     auto_declines: Optional[Callable[[Call], Optional[str]]] = None
     #: how this backend would run the call (its kernel, the tensors it builds), for explain_dispatch
     describe: Optional[Callable[[Call], str]] = None
+    #: ``(out, lse)`` for the arguments of ``fn``; None: this backend cannot give the lse
+    lse_fn: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,18 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
+def _refusal(backend: Backend, call: Call) -> Optional[str]:
+    """Why ``backend`` cannot run ``call`` at all, or None."""
+    if call.need_lse and backend.lse_fn is None:
+        able = [name for name, b in _REGISTRY.items() if b.lse_fn is not None]
+        return (f"it does not return the log-sum-exp (return_lse=True); backends that do: "
+                f"{', '.join(repr(n) for n in able)}")
+    return backend.refuses(call)
+
+
 def _why_not(backend: Backend, call: Call) -> Optional[str]:
     """Why ``auto`` passes ``call`` over ``backend``, or None when it can take it."""
-    why = backend.refuses(call)
+    why = _refusal(backend, call)
     if why is None and backend.auto_declines is not None:
         why = backend.auto_declines(call)
     return why
@@ -145,7 +160,7 @@ def _resolve(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
                 return backend
         raise AssertionError("the reference backend accepts every call")
     backend = get(name)
-    why = backend.refuses(call)
+    why = _refusal(backend, call)
     if why is not None:
         raise ValueError(f"backend {name!r} cannot run this call: {why}; use backend='auto'")
     return backend

@@ -22,14 +22,14 @@ Dv value head dim.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Union, overload
 
 import torch
 import torch.nn.functional as F
 
 from .. import steps as _steps
 from .. import trace as _trace
-from .._numerics import default_scale
+from .._numerics import compute_dtype, default_scale, finite_row_max
 from ..heads import REPEAT_KV_PATTERN, repeat_kv
 from ..masks import Mask
 from . import Backend, Call, register
@@ -38,11 +38,6 @@ _NEG_INF = float("-inf")
 SCORES_PATTERN = "b h q d, b h k d -> b h q k"
 WEIGHTED_SUM_PATTERN = "b h q k, b h k d -> b h q d"
 SCORE_AXES = ("b", "h", "q", "k")
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for the half types, the dtype itself otherwise."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def safe_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -66,10 +61,19 @@ def safe_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor] = None) -> t
     return e / torch.where(total == 0, torch.ones_like(total), total)
 
 
+@overload
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask], *, scale: float,
+                    with_lse: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask], *, scale: float,
+                    with_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def attention_probs(
-    q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask], *, scale: float
-) -> torch.Tensor:
-    """softmax(q kᵀ · scale + mask) in the compute dtype: (B, H, Lq, Lk). k is (B, H, Lk, D)."""
+    q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask], *, scale: float, with_lse: bool = False
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """softmax(q kᵀ · scale + mask) in the compute dtype: (B, H, Lq, Lk). k is (B, H, Lk, D).
+    ``with_lse``: also the rows' log-sum-exp (B, H, Lq) of the final scores (see `row_lse`)."""
     tr = _trace.current()
     cdt = compute_dtype(q.dtype)
     scores = q.to(cdt) @ k.to(cdt).transpose(-2, -1)
@@ -103,7 +107,20 @@ def attention_probs(
     weights = safe_softmax(scores) if sink is None else safe_softmax(scores, sink)
     if tr is not None:
         tr.record(_steps.SOFTMAX, weights, checks=_softmax_checks(weights, scores, sink is not None))
-    return weights
+    return (weights, row_lse(scores, sink)) if with_lse else weights
+
+
+def row_lse(scores: torch.Tensor, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log(Σ_j exp(s_ij) [+ exp(sink_h)]) of scores (B, H, Lq, Lk): (B, H, Lq); -inf for a row
+    with no visible key (and no sink). Differentiable, with no NaN gradient for such rows."""
+    top = finite_row_max(scores)
+    total = torch.exp(scores - top).sum(dim=-1, keepdim=True)
+    seen = total > 0
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                      torch.full_like(total, _NEG_INF)).squeeze(-1)
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.to(lse.dtype).view(1, -1, 1))
+    return lse
 
 
 def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor, sink: bool = False) -> dict[str, bool]:
@@ -129,8 +146,10 @@ def attend(
     *,
     scale: float,
     dropout_p: float,
+    lse: Optional[list[torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference forward, returning ``(out, weights)``; weights are those applied (after dropout)."""
+    """The reference forward, returning ``(out, weights)``; weights are those applied (after dropout).
+    A list given as ``lse`` receives the rows' log-sum-exp (B, H, Lq) (of the scores, before dropout)."""
     tr = _trace.current()
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
@@ -139,7 +158,11 @@ def attend(
         if tr is not None:
             tr.record(_steps.REPEAT_KV, k, source=src_k, role="K", params={"groups": groups})
             tr.record(_steps.REPEAT_KV, v, source=src_v, role="V", params={"groups": groups})
-    weights = attention_probs(q, k, mask, scale=scale)
+    if lse is None:
+        weights = attention_probs(q, k, mask, scale=scale)
+    else:
+        weights, row = attention_probs(q, k, mask, scale=scale, with_lse=True)
+        lse.append(row)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p, training=True)
         if tr is not None:
@@ -156,6 +179,14 @@ def reference_attention(
     return attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
 
 
+def reference_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lse: list[torch.Tensor] = []
+    out = attend(q, k, v, mask, scale=scale, dropout_p=dropout_p, lse=lse)[0]
+    return out, lse[0]
+
+
 def _accepts_everything(call: Call) -> Optional[str]:
     return None
 
@@ -166,6 +197,7 @@ BACKEND = register(
         fn=reference_attention,
         refuses=_accepts_everything,
         summary="plain tensor ops in the tutorials' order; materialises the (B, H, Lq, Lk) scores",
+        lse_fn=reference_attention_lse,
     ),
     auto_rank=0,
 )

@@ -38,7 +38,7 @@ from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, split_additive
 from . import Backend, Call, register
-from .reference import compute_dtype
+from .._numerics import compute_dtype
 
 #: ``backend="auto"`` passes a call on to the next backend when the dense (Lq, Lk) tensors an
 #: SDPA call would build exceed this many bytes: our mask, the float copy PyTorch makes of a

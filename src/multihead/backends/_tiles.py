@@ -1,0 +1,790 @@
+"""The tile kernel: online softmax with its log-sum-exp over tiles, forward and backward.
+
+One copy of the algorithm, used by the ``chunked`` backend (a whole call) and by the ring of
+:mod:`multihead.distributed` (each ring step is one call of this kernel on the key block the
+rank holds; the partial results are combined with :func:`merge`).
+
+The (Lq, Lk) scores are never held at once. Queries are cut into blocks of ``block_q`` and keys
+into blocks of ``block_k``; a *tile* is one query block x one key block, and the tiles the mask
+hides entirely (``mask.tile_state(...) == "empty"``, or outside ``mask.key_span``) are never
+computed. Key blocks are the outer loop; the tiles computed together (one tile, or in the
+calling thread the tiles of consecutive query blocks in one key block, a *panel* of at most
+:data:`PANEL_SCORES` scores) go through::
+
+    shift = unset, acc = 0                          # per query row; acc (Dv + 1): Σ p V and Σ p
+    for each key block K_j, V_j, left to right:
+        for each panel Q_p of the query rows that see K_j:
+            s = Q_p K_jᵀ · scale (+ the additive parts: bias tensors, ALiBi)
+            s = mod(s) for each score-mod part, in written order (score_mod, softcap)
+            s = -inf where a selecting part says False (not for tiles the mask shows whole)
+            s -= shift
+            rows that see a key here for the first time: shift = rowmax(s), s -= shift
+            acc += exp(s) [V_j, 1]
+            a row sum above sqrt(largest float): redo the panel with shift = max(shift, rowmax)
+    out = acc[:, :Dv] / acc[:, Dv]  (0 where the sum is 0: no visible key)
+    lse = shift + log(acc[:, Dv])
+    with a sink logit z_h: out *= exp(lse - logaddexp(lse, z_h)), lse = logaddexp(lse, z_h)
+
+This is FlashAttention's online softmax with the running max made lazy. A row's shift is the
+row max of the first tile in which it sees a key, so its sum holds a term exp(0) = 1: later
+scores far below the shift add terms below rounding (their underflow to 0 changes nothing), and
+scores far above it (~44 in float32) make the row sum pass sqrt(largest float), which redoes the
+panel with the exact running max, rescaling acc by exp(old - new). A row whose first tiles show
+it nothing (key padding over the first keys, a window that starts later) keeps its shift unset
+until one does; its acc is 0 until then, so nothing needs rescaling. The result is therefore
+exact for every score range and every tile order, and the common case pays one row-max pass per
+row (in its first tile) and none after. A tile costs two matrix products (q kᵀ on rows of D
+numbers against kᵀ laid out once, p V), one exp, and a few passes over its scores (the shift,
+the row sums; a keep mask as an added 0/-inf tile). Exponents at or below -80 give exactly 0
+(:func:`_exp_`: torch's exp is 20 to 60 times slower on lanes whose result is subnormal or 0,
+and such terms are below rounding next to a row sum of at least 1).
+
+The backward pass recomputes each panel from the saved (q, k, v, out, lse), so training memory
+is O(L) as well: p = exp(s - lse), dV += pᵀ dO, dP = dO Vᵀ, dS = p ⊙ (dP - rowsum(dO ⊙ out)),
+dQ += dS K · scale, dK += dSᵀ Q · scale, and a bias tensor gets dS. With score mods, each tile's
+mods are recomputed under autograd and dS is carried back through them with
+``torch.autograd.grad``, which also gives the gradients of the tensors the mods read
+(``part.tensors``, inputs of the autograd function, e.g. a learned bias table a score_mod
+indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
+itself: a double backward raises a clear error (use ``backend="reference"``).
+
+Matrix products in bfloat16 (:data:`BF16_PRODUCTS`): for bfloat16 inputs on a CPU with native
+bfloat16 matrix units (AMX or AVX512-BF16, :func:`native_bf16`), the two forward products take
+bfloat16 operands (q kᵀ unscaled, p rounded to bfloat16 for p V), as the naive bfloat16
+reference rounds them; the scale, the shift, the exponentials, the row sums and the
+accumulation stay in float32. Elsewhere the tiles compute in float32 (bfloat16 products without
+the units are slower, not faster).
+
+Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, dealt
+out back and forth (0, 1, .., n-1, n-1, .., 0, ..: equal work under a causal mask), each running
+torch single-threaded (one parallel region per thread, not one
+per op: on a busy machine that is twice as fast as torch's intra-op threads on these ops). A
+thread is made single-threaded with the per-thread calls of OpenMP and MKL, not with
+``torch.set_num_threads``, which is process-wide (see :func:`_runtime_setters`); where that is
+not possible, or where a Python dispatch mode or a tensor subclass is in play, everything runs
+in the calling thread, panel after panel (:data:`THREADS` = False forces it; so does a score
+mod with tensors to differentiate, in the backward). Either way the order of every sum is fixed
+(the backward adds the threads' dK, dV in thread order), so results are bit-identical from run to
+run at a given thread count, the caller's ``no_grad`` and ``inference_mode`` hold, and no other
+thread's settings change. Grouped-query attention reads K/V once per kv head: q is viewed as
+(B·Hkv, Lq·G, D) with the G query heads of one kv head side by side, so no repeated K/V is built.
+On the ``meta`` device the data-dependent branches (redo, unset rows) are skipped: they change
+values, never shapes.
+
+Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, N = B·Hkv, Lq/Lk query/key
+lengths, D head dim, Dv value head dim, S parts merged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+import torch
+
+from .._numerics import compute_dtype, finite_row_max, outside_autocast
+from ..masks import AllOf, Mask, split_additive
+
+__all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "BF16_PRODUCTS", "Tiles", "attend", "merge",
+           "with_sink", "native_bf16", "cpu_features", "bf16_products"]
+
+#: most scores (B·Hkv x rows x keys) one panel of tiles computes at once (8 MiB in float32):
+#: each op is big enough for torch's intra-op threads, its scores still fit in a CPU cache,
+#: and a call's extra memory stays bounded
+PANEL_SCORES = 2 ** 21
+#: share the query blocks among torch.get_num_threads() threads (CPU); False: all in the
+#: calling thread, each op using torch's intra-op threads
+THREADS = True
+#: bfloat16 matrix products for bfloat16 inputs: None (default) where the CPU has native
+#: bfloat16 units (:func:`native_bf16`), True always (slow without the units; for tests),
+#: False never
+BF16_PRODUCTS: Optional[bool] = None
+
+#: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
+#: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
+#: "skipped" (reset it with ``.clear()``)
+BLOCKS_COMPUTED: Counter = Counter()
+
+_NEG_INF = float("-inf")
+#: the kinds of mask part that only select (hide scores), never add to them
+_SELECTING = frozenset({"keep", "padding", "mask_mod", "sink", "score_mod", "softcap"})
+#: /proc/cpuinfo flags that mean native bfloat16 matrix products
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> str:
+    """The CPU's vector features that matter here, as one line: torch's dispatch level
+    (``torch.backends.cpu.get_cpu_capability()``, e.g. "AVX2", "AVX512") and the bfloat16 flags
+    of /proc/cpuinfo that are present (amx_bf16, avx512_bf16), or "none"."""
+    flags = _cpuinfo_flags()
+    bf16 = [f for f in _BF16_FLAGS if f in flags]
+    return f"{torch.backends.cpu.get_cpu_capability()}; bf16 units: {', '.join(bf16) if bf16 else 'none'}"
+
+
+def _cpuinfo_flags() -> frozenset:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> bool:
+    """Whether this CPU has native bfloat16 matrix units (AMX-BF16 or AVX512-BF16)."""
+    return any(f in _cpuinfo_flags() for f in _BF16_FLAGS) or \
+        torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
+
+
+def bf16_products(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the tiles of a call with inputs of ``dtype`` on ``device`` take bfloat16 matrix
+    products (see :data:`BF16_PRODUCTS`)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or BF16_PRODUCTS is False:
+        return False
+    return True if BF16_PRODUCTS else native_bf16()
+
+
+class Tiles:
+    """One attention call, laid out for tiles; shared by the forward and the backward pass.
+
+    q is held grouped and pre-scaled, (N, Lq·G, D), row ``i·G + g`` being query i of head
+    ``kvhead·G + g``; k (N, Lk, D) and v (N, Lk, Dv), with kᵀ (N, D, Lk) and vᵀ (N, Dv, Lk)
+    laid out once, so that every matrix product reads contiguous rows of D or Dv numbers (a
+    product whose inner or outer size is D + 1 runs at half the rate of one of D = 64).
+    All in the compute dtype.
+
+    ``rest`` is the mask without its plain bias tensors, which come as ``biases`` (4-D,
+    broadcastable to ``mask_shape``; differentiable inputs); ``mods`` its score-mod parts.
+    ``positions`` optionally maps local query rows to the absolute positions the mask sees
+    (for :func:`multihead.attention_weights` on selected rows); ``mask_heads`` picks the query
+    heads of the mask's head axis (for selected heads). ``bf16``: bfloat16 forward products.
+    """
+
+    def __init__(self, q, k, v, rest: Optional[Mask], biases, mods=(), *, scale, block_q, block_k,
+                 mask_shape, positions=None, mask_heads=None, bf16=False):
+        B, H, Lq, D = q.shape
+        self.B, self.H, self.Lq, self.D = B, H, Lq, D
+        self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.G = H // self.Hkv
+        self.N = B * self.Hkv
+        self.cdt = compute_dtype(q.dtype)
+        self.scale = scale
+        self.rest, self.biases, self.mods = rest, tuple(biases), tuple(mods)
+        # for tiles the mask shows whole: the parts that may still add to the scores (ALiBi,
+        # torch masks), so that no selecting part (e.g. a mask_mod) is evaluated there
+        adding = [] if rest is None else [p for p in rest.parts if not p.is_structural and p.kind not in _SELECTING]
+        self.rest_adding: Optional[Mask] = None if not adding else adding[0] if len(adding) == 1 else AllOf(adding)
+        self.mask_shape = tuple(mask_shape)
+        self.mask_heads = mask_heads
+        self.q = self.group_rows(q.to(self.cdt) * scale)
+        self.k = k.to(self.cdt).reshape(self.N, self.Lk, D)
+        self.v = v.to(self.cdt).reshape(self.N, self.Lk, self.Dv)
+        self.kt = self.k.transpose(1, 2).contiguous()
+        self._vt: Optional[torch.Tensor] = None  # vᵀ, for the backward only
+        # bfloat16 products: unscaled bfloat16 operands (the scale is applied in float32)
+        self.bf16 = bool(bf16)
+        if self.bf16:
+            self.q16 = self.group_rows(q.to(torch.bfloat16))
+            self.kt16 = k.to(torch.bfloat16).reshape(self.N, self.Lk, D).transpose(1, 2).contiguous()
+            self.v16 = v.to(torch.bfloat16).reshape(self.N, self.Lk, self.Dv)
+        self.block_q, self.block_k = block_q, block_k
+        self.blocks = _query_blocks(Lq, block_q, positions)
+        # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
+        self.limit = math.exp(math.log(torch.finfo(self.cdt).max) / 2)
+
+    # -- layout: (B, H, Lq, X) <-> (N, Lq·G, X)
+    def group_rows(self, t: torch.Tensor) -> torch.Tensor:
+        B, H, L, X = t.shape
+        return t.reshape(B, self.Hkv, self.G, L, X).transpose(2, 3).reshape(self.N, L * self.G, X)
+
+    def ungroup_rows(self, t: torch.Tensor) -> torch.Tensor:
+        X = t.shape[-1]
+        return t.reshape(self.B, self.Hkv, self.Lq, self.G, X).transpose(2, 3).reshape(self.B, self.H, self.Lq, X)
+
+    def group_lse(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, Lq) -> (N, Lq·G)."""
+        return self.group_rows(t.unsqueeze(-1)).squeeze(-1)
+
+    def ungroup_lse(self, t: torch.Tensor) -> torch.Tensor:
+        """(N, Lq·G) -> (B, H, Lq)."""
+        return self.ungroup_rows(t.unsqueeze(-1)).squeeze(-1)
+
+    def _grouped_tile(self, t: torch.Tensor, *, select_heads: bool = False) -> torch.Tensor:
+        """A (b, h, bq, bk) mask tile as (b, Hkv|1, bq, G|1, bk), matching the grouped scores;
+        ``select_heads`` first picks :attr:`mask_heads` from a tile of the mask's own heads."""
+        if select_heads and self.mask_heads is not None and t.shape[1] != 1:
+            t = t[:, self.mask_heads]
+        if t.shape[1] == 1:
+            return t.unsqueeze(3)
+        b, _, bq, bk = t.shape
+        return t.reshape(b, self.Hkv, self.G, bq, bk).transpose(2, 3)
+
+    def _products(self, r0, r1, k0, k1) -> torch.Tensor:
+        """scale · q kᵀ of local queries r0..r1-1 x keys k0..k1-1: (N, (r1-r0)·G, bk), a new tensor."""
+        rows = slice(r0 * self.G, r1 * self.G)
+        if self.bf16:
+            return torch.bmm(self.q16[:, rows], self.kt16[:, :, k0:k1]).to(self.cdt).mul_(self.scale)
+        return torch.bmm(self.q[:, rows], self.kt[:, :, k0:k1])
+
+    def _additive(self, s, r0, r1, a0, k0, k1, whole) -> Optional[torch.Tensor]:
+        """Add the bias tiles to ``s`` (N, rows, bk) in place; the tile's keep mask as a grouped
+        (b, Hkv|1, bq, G|1, bk) tile of 0 and -inf to add, or None (no keep mask, or a tile the
+        mask shows whole). Adding -inf is ten times faster than ``masked_fill_`` here."""
+        nq = r1 - r0
+        tiles = [(_tile4(b, a0, a0 + nq, k0, k1), False) for b in self.biases]  # heads picked already
+        keep = None
+        part = self.rest_adding if whole else self.rest
+        if part is not None:
+            mt = part.block(a0, a0 + nq, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt)
+            keep = None if whole else mt.keep
+            if mt.bias is not None:
+                tiles.append((mt.bias, True))
+        if tiles:
+            s5 = s.view(self.B, self.Hkv, nq, self.G, k1 - k0)
+            for t, select in tiles:
+                s5.add_(self._grouped_tile(t.to(self.cdt), select_heads=select))
+        if keep is None:
+            return None
+        hidden = torch.zeros(keep.shape, dtype=self.cdt, device=s.device).masked_fill_(~keep, _NEG_INF)
+        return self._grouped_tile(hidden, select_heads=True)
+
+    def _hide(self, s, hidden, nq, bk) -> None:
+        """Add the 0/-inf tile ``hidden`` (from :meth:`_additive`) to the scores s (N, nq·G, bk)."""
+        if hidden is not None:
+            s.view(self.B, self.Hkv, nq, self.G, bk).add_(hidden)
+
+    def apply_mods(self, s: torch.Tensor, a0: int, nq: int, k0: int, k1: int) -> torch.Tensor:
+        """The score mods, in written order, on the grouped scores s (N, nq·G, bk) of queries
+        a0.. x keys k0..k1-1; a new contiguous (N, nq·G, bk) tensor (differentiable)."""
+        bk = k1 - k0
+        s4 = s.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
+        for mod in self.mods:
+            s4 = mod.apply_block(s4, a0, a0 + nq, k0, k1, self.mask_shape)
+        return s4.reshape(self.B, self.Hkv, self.G, nq, bk).transpose(2, 3).reshape(self.N, nq * self.G, bk).contiguous()
+
+    def scores(self, shift, r0, r1, a0, k0, k1, whole=False) -> torch.Tensor:
+        """Final scores of local queries r0..r1-1 (at absolute positions a0..) x keys k0..k1-1,
+        minus the rows' ``shift`` (N, (r1-r0)·G, 1) or None: (N, rows, bk), -inf where hidden.
+        ``whole``: the mask shows the whole tile (no keep mask is applied)."""
+        s = self._products(r0, r1, k0, k1)
+        hidden = self._additive(s, r0, r1, a0, k0, k1, whole)
+        if self.mods:
+            s = self.apply_mods(s, a0, r1 - r0, k0, k1)
+        self._hide(s, hidden, r1 - r0, k1 - k0)
+        if shift is not None:
+            s.sub_(shift)
+        return s
+
+    def plans(self, workers: int) -> list:
+        """One list of panels per worker (see :func:`_plan`): query block i goes to worker
+        :func:`_worker_of` (i, ``workers``), a fixed rule, so every sum is formed in the same order
+        on every run.
+        One worker (the calling thread) merges consecutive blocks into panels of up to
+        :data:`PANEL_SCORES` scores, for torch's intra-op threads; several workers, each
+        single-threaded, compute tile by tile."""
+        if workers == 1:
+            panel_queries = PANEL_SCORES // max(1, self.N * self.G * self.block_k) // self.block_q * self.block_q
+        else:
+            panel_queries = self.block_q
+        return [_plan([b for i, b in enumerate(self.blocks) if _worker_of(i, workers) == w], self.Lk, self.rest,
+                      self.block_k, self.mask_shape,
+                      max(self.block_q, panel_queries), self.q.device) for w in range(workers)]
+
+    # -- passes
+    def forward(self):
+        """``(out, lse)``: out (N, Lq·G, Dv) and lse (N, Lq·G) in the compute dtype.
+
+        ``shift`` holds each row's shift (0 while unset); ``unset`` marks the rows that have
+        seen no key yet (their shift is still to be chosen, their acc is 0); ``total`` the row
+        sums of exp(s - shift). See the module docstring for why this is exact.
+        """
+        rows_n = self.Lq * self.G
+        shift = torch.zeros(self.N, rows_n, 1, dtype=self.cdt, device=self.q.device)
+        acc = torch.zeros(self.N, rows_n, self.Dv, dtype=self.cdt, device=self.q.device)
+        total = torch.zeros(self.N, rows_n, 1, dtype=self.cdt, device=self.q.device)
+        unset = torch.ones(self.N, rows_n, 1, dtype=torch.bool, device=self.q.device)
+        plans = self.plans(_workers(len(self.blocks), self.q, self.k, self.v, *self.biases))
+
+        def work(w):  # query blocks are disjoint rows: workers never write the same row
+            return sum(self._forward_panel(shift, acc, total, unset, *p[:6]) for p in plans[w])
+
+        redone = sum(_share(work, len(plans)))
+        if redone:
+            BLOCKS_COMPUTED["redone"] += redone
+        BLOCKS_COMPUTED["forward"] += sum(p[-1] for plan in plans for p in plan)
+        out = acc / total.masked_fill(total == 0, 1.0)
+        return out, (total.log() + shift).squeeze(-1)
+
+    def _forward_panel(self, shift, acc, total, unset, k0, k1, r0, r1, a0, whole) -> bool:
+        """One panel into ``acc`` and ``total``; whether it had to be redone."""
+        rows = slice(r0 * self.G, r1 * self.G)
+        row_shift = shift[:, rows]
+        s = self.scores(row_shift, r0, r1, a0, k0, k1, whole)
+        fresh = unset[:, rows]
+        if _any(fresh):  # rows that may see their first key here: shift them by its row max
+            top = s.amax(dim=-1, keepdim=True)
+            seen = top > _NEG_INF
+            first = torch.where(fresh & seen, top, 0.0)
+            s.sub_(first)
+            row_shift.add_(first)
+            fresh.logical_and_(~seen)
+        p = _exp_(s)
+        part_sum = p.sum(dim=-1, keepdim=True)
+        redo = _any(part_sum > self.limit)
+        if redo:
+            p = self._redo(shift, acc, total, r0, r1, a0, k0, k1, whole)
+            part_sum = p.sum(dim=-1, keepdim=True)
+        acc[:, rows].add_(self._weighted(p, k0, k1))
+        total[:, rows].add_(part_sum)
+        return redo
+
+    def _weighted(self, p, k0, k1) -> torch.Tensor:
+        """p V (N, rows, Dv) for the probabilities p (N, rows, bk) of keys k0..k1-1."""
+        if self.bf16:
+            return torch.bmm(p.to(torch.bfloat16), self.v16[:, k0:k1]).to(self.cdt)
+        return torch.bmm(p, self.v[:, k0:k1])
+
+    def _redo(self, shift, acc, total, r0, r1, a0, k0, k1, whole) -> torch.Tensor:
+        """The panel's exp(s - shift) again with shift = max(old shift, its row max); rescales
+        the rows' ``acc`` and ``total`` to it. A row with no visible key in the panel keeps its
+        shift (max with -inf)."""
+        rows = slice(r0 * self.G, r1 * self.G)
+        old = shift[:, rows]
+        s = self.scores(None, r0, r1, a0, k0, k1, whole)
+        new = torch.maximum(old, s.amax(dim=-1, keepdim=True))
+        factor = (old - new).exp_()
+        acc[:, rows].mul_(factor)
+        total[:, rows].mul_(factor)
+        old.copy_(new)
+        return _exp_(s.sub_(new))
+
+    def backward(self, out, lse, g_out, g_lse, mod_inputs=()):
+        """``(dq, dk, dv, dbiases, dmods)`` for out/lse from :meth:`forward` (grouped, compute
+        dtype) and their gradients; ``mod_inputs`` are the score mods' tensors that need a
+        gradient (``dmods`` has one entry per tensor, None where none flowed).
+
+        Per panel: p = exp(s - lse), dV += pᵀ dO, dS = p ⊙ (dO Vᵀ - delta) with
+        delta = rowsum(dO ⊙ out) - g_lse, then back through the score mods, dQ += dS K,
+        dK += dSᵀ Q. The panels run in a fixed order, so every sum is too.
+        """
+        D, Dv, G = self.D, self.Dv, self.G
+        q, k = self.q, self.k
+        if self._vt is None:
+            self._vt = self.v.transpose(1, 2).contiguous()
+        vt = self._vt
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(self.N, self.Lk, D, dtype=self.cdt, device=q.device)
+        dv = torch.zeros(self.N, self.Lk, Dv, dtype=self.cdt, device=q.device)
+        dbiases = [torch.zeros(b.shape, dtype=self.cdt, device=b.device) if b.requires_grad else None
+                   for b in self.biases]
+        dmods: list = [None] * len(mod_inputs)
+        # dS = p ⊙ (dP - delta): delta = rowsum(dO ⊙ out) is the softmax's own term, less g_lse
+        delta = (g_out * out).sum(dim=-1, keepdim=True)
+        if g_lse is not None:
+            delta = delta - g_lse.unsqueeze(-1)
+        row_lse = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+        # a bias or mod-tensor gradient may be shared by all query blocks: one worker
+        one = any(db is not None for db in dbiases) or bool(mod_inputs)
+        workers = 1 if one else _workers(len(self.blocks), q, k, g_out)
+        plans = self.plans(workers)
+        partials = [(dk, dv)] + [(torch.zeros_like(dk), torch.zeros_like(dv)) for _ in plans[1:]]
+
+        def work(w):  # dq: disjoint rows; dk, dv: the worker's own partial sums
+            pdk, pdv = partials[w]
+            for k0, k1, r0, r1, a0, whole, _ in plans[w]:
+                rows = slice(r0 * G, r1 * G)
+                if self.mods:
+                    p, back = self._modded_probabilities(row_lse[:, rows], r0, r1, a0, k0, k1, whole, mod_inputs)
+                else:
+                    p, back = _exp_(self.scores(row_lse[:, rows], r0, r1, a0, k0, k1, whole)), None
+                # products into new tensors, then added: a slice as the output of baddbmm_ would
+                # make torch run one matrix product per batch item instead of one batched product
+                pdv[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), g_out[:, rows]))
+                ds = p.mul_(torch.bmm(g_out[:, rows], vt[:, :, k0:k1]).sub_(delta[:, rows]))
+                if back is not None:  # through the score mods: dS of their inputs, and their tensors'
+                    ds, grads = back(ds)
+                    for i, g in enumerate(grads):
+                        if g is not None:
+                            dmods[i] = g if dmods[i] is None else dmods[i] + g
+                dq[:, rows].add_(torch.bmm(ds, k[:, k0:k1]))
+                pdk[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), q[:, rows]))
+                for db in dbiases:
+                    if db is not None:
+                        _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
+
+        _share(work, len(plans))
+        for pdk, pdv in partials[1:]:  # in worker order, whichever finished first
+            dk.add_(pdk)
+            dv.add_(pdv)
+        BLOCKS_COMPUTED["backward"] += sum(p[-1] for plan in plans for p in plan)
+        return dq.mul_(self.scale), dk, dv, dbiases, dmods
+
+    def _modded_probabilities(self, row_lse, r0, r1, a0, k0, k1, whole, mod_inputs):
+        """p = exp(s - lse) of one panel whose scores pass through the score mods, and the
+        function that takes dS (of the modded scores) back to dS of their inputs and the
+        gradients of ``mod_inputs``, by ``torch.autograd.grad`` over the recomputed mods."""
+        nq = r1 - r0
+        s = self._products(r0, r1, k0, k1)
+        hidden = self._additive(s, r0, r1, a0, k0, k1, whole)
+        with torch.enable_grad():
+            x = s.detach().requires_grad_(True)
+            y = self.apply_mods(x, a0, nq, k0, k1)
+        p = y.detach().clone()
+        self._hide(p, hidden, nq, k1 - k0)
+        p = _exp_(p.sub_(row_lse))
+
+        def back(ds):
+            grads = torch.autograd.grad(y, [x, *mod_inputs], ds, allow_unused=True)
+            return grads[0], grads[1:]
+
+        return p, back
+
+    def _ungrouped_tile(self, ds: torch.Tensor, nq: int) -> torch.Tensor:
+        """(N, nq·G, bk) -> (B, H, nq, bk)."""
+        bk = ds.shape[-1]
+        return ds.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
+
+
+class _TiledAttention(torch.autograd.Function):
+    """out, lse = f(q, k, v, *biases, *mod_tensors); the backward recomputes tiles (nothing
+    (Lq, Lk) is saved). out is in the compute dtype (the caller casts it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rest, mods, options, n_biases, *tensors):
+        biases = tensors[:n_biases]
+        with outside_autocast(q.device.type):
+            tiles = Tiles(q, k, v, rest, biases, mods, **options)
+            out, lse = tiles.forward()
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.rest, ctx.mods, ctx.options, ctx.n_biases = rest, mods, options, n_biases
+        return tiles.ungroup_rows(out), tiles.ungroup_lse(lse)
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        create_graph = torch.is_grad_enabled()
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        biases, mod_tensors = tensors[:ctx.n_biases], tensors[ctx.n_biases:]
+        # the tensors the mods' closures read, as they hold them (autograd.grad needs those very
+        # objects, not the saved copies)
+        captured = _mod_tensors(ctx.mods)
+        wanted = [i for i in range(len(mod_tensors)) if ctx.needs_input_grad[7 + ctx.n_biases + i]]
+        with torch.no_grad(), outside_autocast(q.device.type):
+            tiles = Tiles(q, k, v, ctx.rest, tuple(biases), ctx.mods, **ctx.options)
+            g_out = tiles.group_rows(g_out.to(tiles.cdt))
+            if g_lse is not None:
+                g_lse = tiles.group_lse(g_lse.to(tiles.cdt))
+            dq, dk, dv, dbiases, dmods = tiles.backward(
+                out, lse, g_out, g_lse, tuple(captured[i] for i in wanted))
+            grads = [tiles.ungroup_rows(dq).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)]
+            grads += [None if db is None else db.to(b.dtype) for b, db in zip(biases, dbiases)]
+            mod_grads: list = [None] * len(mod_tensors)
+            for i, g in zip(wanted, dmods):
+                mod_grads[i] = None if g is None else g.to(mod_tensors[i].dtype)
+            grads += mod_grads
+        if create_graph:  # backward(create_graph=True): these gradients must not be differentiated
+            grads = _NotTwice.wrap(grads, (q, k, v, *tensors))
+        return (grads[0], grads[1], grads[2], None, None, None, None, *grads[3:])
+
+
+def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k: int, mask_shape,
+           positions: Optional[Sequence[int]] = None, mask_heads: Optional[Sequence[int]] = None):
+    """``(out, lse)`` of one attention call by tiles, differentiable in q, k, v, the mask's bias
+    tensors, its score mods' ``tensors`` and its sink logits.
+
+    q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), all checked; ``mask`` checked for
+    ``mask_shape`` (B, H, Lq, Lk). Returns out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq)
+    in the compute dtype (-inf for a row with no visible key; with a sink, logaddexp(lse, sink)).
+    """
+    rest, biases = split_additive(mask, mask_shape)
+    if mask_heads is not None:
+        biases = tuple(b if b.shape[1] == 1 else b[:, list(mask_heads)] for b in biases)
+    if rest is not None and mask is not None and mask.plan is not None and rest.plan is None:
+        rest = rest.with_plan(mask.plan)  # the plan is of the selecting parts, which rest keeps
+    mods = mask.score_mods if mask is not None else ()
+    mod_tensors = _mod_tensors(mods)
+    options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=tuple(mask_shape),
+                   positions=None if positions is None else [int(p) for p in positions],
+                   mask_heads=None if mask_heads is None else list(mask_heads),
+                   bf16=bf16_products(q.dtype, q.device))
+    out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)
+    sink = mask.sink_logits if mask is not None else None
+    if sink is not None:
+        out, lse = with_sink(out, lse, sink)
+    return out.to(q.dtype), lse
+
+
+def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:
+    """The tensors the score mods read, each once (a tensor two mods read gets one gradient)."""
+    seen: dict[int, torch.Tensor] = {}
+    for m in mods:
+        for t in m.tensors:
+            seen.setdefault(id(t), t)
+    return tuple(seen.values())
+
+
+def with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
+    """``(out, lse)`` with a per-head sink logit in the softmax denominator: out (B, H, Lq, Dv),
+    lse (B, H, Lq), sink (H,) -> out · exp(lse - logaddexp(lse, sink)), logaddexp(lse, sink).
+    Differentiable in all three; a row with no visible key keeps out 0 (and gets lse = sink)."""
+    z = sink.to(lse.dtype).view(1, -1, 1)
+    total = torch.logaddexp(lse, z)
+    return out * torch.exp(lse - total).unsqueeze(-1).to(out.dtype), total
+
+
+def merge(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
+    """Attention over the union of disjoint key sets from its parts: ``(out, lse)``.
+
+    outputs: S tensors (..., Lq, Dv), each attention over one key set; lses: their (..., Lq)
+    log-sum-exps (-inf for a row that saw no key in that part). Returns the out and lse of
+    attention over all the keys at once: lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s - lse) out_s
+    (0 and -inf for a row with no key in any part). Differentiable in every input (no NaN
+    gradient for empty rows). Computed in the lse's dtype; out comes back in outputs[0]'s.
+    Arguments are not checked (``multihead.merge`` checks them).
+    """
+    cdt = lses[0].dtype
+    stacked = torch.stack([l.to(cdt) for l in lses])  # (S, ..., Lq)
+    top = finite_row_max(stacked.movedim(0, -1)).squeeze(-1)  # (..., Lq); -inf everywhere -> 0
+    weights = torch.exp(stacked - top)  # (S, ..., Lq); 0 for a part without a key
+    total = weights.sum(dim=0)
+    seen = total > 0
+    safe = torch.where(seen, total, torch.ones_like(total))
+    out = sum(w.unsqueeze(-1) * o.to(cdt) for w, o in zip(weights, outputs)) / safe.unsqueeze(-1)
+    lse = torch.where(seen, top + torch.log(safe), torch.full_like(total, _NEG_INF))
+    return out.to(outputs[0].dtype), lse
+
+
+def _worker_of(block: int, workers: int) -> int:
+    """The worker of query block ``block``: blocks dealt out back and forth (0, 1, .., n-1,
+    n-1, .., 0, 0, 1, ..), so that under a causal mask, whose block i has i + 1 tiles, every
+    worker gets the same number of tiles (dealing round-robin gives the last worker the most)."""
+    turn, place = divmod(block, workers)
+    return place if turn % 2 == 0 else workers - 1 - place
+
+
+def _workers(blocks: int, *tensors: torch.Tensor) -> int:
+    """How many threads share ``blocks`` query blocks: ``torch.get_num_threads()`` of them (at
+    most one per block) on CPU when :data:`THREADS` allows it and each thread can run torch
+    single-threaded without touching the others (:func:`_one_thread_here`); otherwise 1, the
+    calling thread. Also 1 where thread-local state would not reach other threads: tensor
+    subclasses, and Python dispatch or function modes (e.g. FakeTensorMode, FlopCounterMode)."""
+    threads = torch.get_num_threads()
+    if not THREADS or threads < 2 or blocks < 2 or tensors[0].device.type != "cpu":
+        return 1
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
+        return 1
+    return min(threads, blocks) if _thread_local_threads_work() else 1
+
+
+def _python_modes_active() -> bool:
+    """Whether a Python dispatch or function mode is active (True when this torch cannot tell)."""
+    try:
+        return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
+    except AttributeError:
+        return True
+
+
+def _share(work, n: int) -> list:
+    """``[work(w) for w in range(n)]``: in the calling thread for n = 1, else each in its own
+    thread, running torch single-threaded, in the caller's inference mode and without autograd
+    (the passes need none). The caller's torch.get_num_threads() and every other thread's are
+    left alone."""
+    if n == 1:
+        return [work(0)]
+    inference = torch.is_inference_mode_enabled()
+
+    def run(w):
+        _one_thread_here()
+        with torch.inference_mode(inference), torch.no_grad():
+            return work(w)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(run, range(n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_setters():
+    """The thread-local halves of ``torch.set_num_threads``, as ctypes functions of int, or None.
+
+    torch.set_num_threads(n) is process-wide: besides the calling thread's OpenMP and MKL
+    settings it stores n where every thread that starts later copies it from (ATen's
+    ParallelOpenMP.cpp; torch 2.13 offers no per-thread variant), so a worker calling it would
+    set the thread count of unrelated threads. OpenMP's ``omp_set_num_threads`` and MKL's
+    ``MKL_Set_Num_Threads_Local`` set the calling thread's alone.
+    """
+    def find(name, libraries):
+        for lib in libraries:
+            try:
+                f = getattr(ctypes.CDLL(lib), name)
+            except (OSError, TypeError, AttributeError):
+                continue
+            f.argtypes, f.restype = [ctypes.c_int], ctypes.c_int
+            return f
+        return None
+
+    here = os.path.join(os.path.dirname(torch.__file__), "lib")
+    files = sorted(os.listdir(here)) if os.path.isdir(here) else []
+
+    def ours(*prefixes):  # torch's own copies first, then whatever the process has loaded
+        return [os.path.join(here, f) for f in files if f.startswith(prefixes)] + [None]
+
+    omp = find("omp_set_num_threads", ours("libgomp", "libiomp", "libomp", "libtorch_cpu.")) \
+        if torch.backends.openmp.is_available() else None
+    mkl = find("MKL_Set_Num_Threads_Local", ours("libtorch_cpu.", "torch_cpu.", "libmkl")) \
+        if torch.backends.mkl.is_available() else None
+    return omp, mkl
+
+
+def _one_thread_here() -> bool:
+    """Make torch's intra-op work single-threaded in the calling thread alone; whether it did."""
+    omp, mkl = _runtime_setters()
+    if omp is None or (mkl is None and torch.backends.mkl.is_available()):
+        return False
+    torch.get_num_threads()  # torch's own setup of a new thread first: it would undo ours later
+    omp(1)
+    if mkl is not None:
+        mkl(1)
+    return torch.get_num_threads() == 1  # it was the OpenMP runtime torch itself uses
+
+
+@functools.lru_cache(maxsize=None)
+def _thread_local_threads_work() -> bool:
+    """Whether :func:`_one_thread_here` works in this process (tried once, in a thread of its own)."""
+    result = []
+    probe = threading.Thread(target=lambda: result.append(_one_thread_here()))
+    probe.start()
+    probe.join()
+    return result == [True]
+
+
+def _any(t: torch.Tensor) -> bool:
+    """``bool(t.any())``; False on the meta device, which has no data (the branches it guards
+    change values, never shapes)."""
+    return t.device.type != "meta" and bool(t.any())
+
+
+#: exp of a score at or below this is taken as 0: exp(-80) ≈ 1.8e-35 is below rounding next to a
+#: row sum of at least 1 (see :func:`_exp_`)
+EXP_FLOOR = -80.0
+_EXP_FLOOR_VALUE = math.exp(EXP_FLOOR) * 1.01
+
+
+def _exp_(s: torch.Tensor) -> torch.Tensor:
+    """exp(s) in place, with exp(x) for x <= :data:`EXP_FLOOR` (and -inf) exactly 0; NaN stays.
+
+    torch's vectorised exp leaves its fast path for arguments whose result is subnormal or 0
+    (below about -87 in float32: 20 to 60 times slower on such lanes, e.g. -inf from a mask or
+    an ALiBi bias far below a row's max), so the arguments are first clamped to the floor and
+    the results at the floor set to 0. Every caller exponentiates scores minus a shift at least
+    their row's max or lse, so the row sums hold a term 1 (or sum to 1), and a term below
+    exp(-80) relative to them is below the rounding of float32 and float64 alike."""
+    return torch.threshold_(s.clamp_(min=EXP_FLOOR).exp_(), _EXP_FLOOR_VALUE, 0.0)
+
+
+def _tile4(t: torch.Tensor, q0, q1, k0, k1) -> torch.Tensor:
+    """A 4-D broadcastable tensor restricted to one tile (size-1 axes stay)."""
+    rows = slice(None) if t.shape[-2] == 1 else slice(q0, q1)
+    cols = slice(None) if t.shape[-1] == 1 else slice(k0, k1)
+    return t[:, :, rows, cols]
+
+
+def _add_bias_grad(db: torch.Tensor, ds: torch.Tensor, q0, q1, k0, k1) -> None:
+    """Add the (B, H, bq, bk) tile gradient ``ds`` into ``db`` (the bias's 4-D broadcast shape)."""
+    dims = [i for i in range(4) if db.shape[i] == 1 and ds.shape[i] != 1]
+    if dims:
+        ds = ds.sum(dim=dims, keepdim=True)
+    _tile4(db, q0, q1, k0, k1).add_(ds)
+
+
+def _query_blocks(lq, block_q, positions):
+    """``[(r0, r1, a0), ...]``: local query rows r0..r1-1 at absolute positions a0.. (``positions``,
+    or the rows themselves); a block never spans a gap in the positions."""
+    runs = _runs(positions) if positions is not None else [(0, lq, 0)]
+    return [(r0, min(stop, r0 + block_q), abs0 + (r0 - start))
+            for start, stop, abs0 in runs for r0 in range(start, stop, block_q)]
+
+
+def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries, device):
+    """The panels of the query ``blocks`` in the order they are computed:
+    ``[(k0, k1, r0, r1, a0, whole, tiles), ...]``, keys k0..k1-1 (one key block) x local query
+    rows r0..r1-1 at absolute positions a0.. (``tiles`` query blocks of them), key blocks left
+    to right; ``whole``: the mask shows every score of the panel (no keep mask is needed).
+
+    Key blocks lie on a grid of ``block_k``; a query block visits those that meet the keys the
+    mask lets it see (:meth:`Mask.key_span`), minus the tiles whose ``tile_state`` is "empty",
+    so hidden tiles are never computed (counted under ``BLOCKS_COMPUTED["skipped"]``).
+    The query blocks of one key block are merged into panels of at most ``panel_queries``
+    queries while they are consecutive (rows and positions) and alike: "full" tiles are not
+    merged with "partial" ones, so a tall panel needs no keep mask."""
+    columns: dict = {}  # k0 -> [[r0, r1, a0, whole, tiles], ...]
+    skipped = 0
+    mlq, mlk = mask_shape[-2:]
+    for r0, r1, a0 in blocks:
+        a1 = a0 + (r1 - r0)
+        lo, hi = (0, lk) if rest is None else rest.key_span(a0, a1, mlq, mlk)
+        for k0 in range(max(lo, 0) // block_k * block_k, hi if lo < hi else 0, block_k):
+            k1 = min(lk, k0 + block_k)
+            if rest is None:
+                state = "full"
+            elif device.type == "meta":  # tensor parts would read data: compute every tile in the span
+                state = "partial"
+            else:
+                state = rest.tile_state(a0, a1, k0, k1, mask_shape, device=device)
+            if state == "empty":
+                skipped += 1
+                continue
+            whole = state == "full"
+            panels = columns.setdefault(k0, [])
+            p = panels[-1] if panels else None
+            if p and p[1] == r0 and p[2] + (r0 - p[0]) == a0 and p[3] == whole and r1 - p[0] <= panel_queries:
+                p[1], p[4] = r1, p[4] + 1
+            else:
+                panels.append([r0, r1, a0, whole, 1])
+    if skipped:
+        BLOCKS_COMPUTED["skipped"] += skipped
+    return [(k0, min(lk, k0 + block_k), r0, r1, a0, whole, tiles)
+            for k0 in sorted(columns) for r0, r1, a0, whole, tiles in columns[k0]]
+
+
+def _runs(positions: Sequence[int]):
+    """Maximal runs of consecutive positions: ``[(local_start, local_stop, absolute_start), ...]``."""
+    runs = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i, positions[start]))
+            start = i
+    return runs
+
+
+class _NotTwice(torch.autograd.Function):
+    """Passes gradients through; differentiating them again raises a clear error (the chunked
+    backward pass computes its tiles in place and is not itself differentiable)."""
+
+    @staticmethod
+    def wrap(grads, inputs):
+        """``grads`` (tensors or None) as outputs that depend on ``inputs`` (those of the attention)."""
+        present = [g for g in grads if g is not None]
+        wrapped = iter(_NotTwice.apply(len(present), *present, *inputs))
+        return [None if g is None else next(wrapped) for g in grads]
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "double backward is not supported by the chunked attention backend: its backward pass "
+            "is not differentiable (create_graph=True, e.g. for gradient penalties or Hessian-vector "
+            "products); use backend='reference' for higher-order gradients"
+        )
