@@ -539,7 +539,10 @@ class MultiHeadAttention(nn.Module):
         heads, kv_heads, d_out, kv_dim = self._sizes
         stacked = self._stacked_qkv(query) if key is query and value is query else None
         if stacked is not None:
-            q, k, v = F.linear(query, stacked[0], stacked[1]).split_with_sizes((d_out, kv_dim, kv_dim), dim=-1)
+            qkv = F.linear(query, stacked[0], stacked[1])  # (B, 1, d_out + 2 kv_dim)
+            if tr is None:  # the heads of Q, K, V at once: one view of all H + 2 Hkv heads, then split
+                return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
+            q, k, v = qkv.split_with_sizes((d_out, kv_dim, kv_dim), dim=-1)
         else:
             mods = self._modules
             q, k, v = _linear(mods["q_proj"], query), _linear(mods["k_proj"], key), _linear(mods["v_proj"], value)
