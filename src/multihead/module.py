@@ -359,10 +359,9 @@ class MultiHeadAttention(nn.Module):
         q_lin, k_lin, v_lin = mods["q_proj"], mods["k_proj"], mods["v_proj"]
         if torch.is_grad_enabled() and _grad_may_reach(query, q_lin, k_lin, v_lin):
             return None
-        if torch._C._get_tracing_state() or _global_hooks():
-            return None
         if not (type(q_lin) is nn.Linear and type(k_lin) is nn.Linear and type(v_lin) is nn.Linear) \
-                or _own_hooks(q_lin) or _own_hooks(k_lin) or _own_hooks(v_lin):
+                or _own_hooks(q_lin) or _own_hooks(k_lin) or _own_hooks(v_lin) \
+                or _global_hooks() or torch._C._get_tracing_state():
             return None
         packed = self._packed_now()
         if packed is None:
