@@ -359,9 +359,9 @@ class KVCache:
                 f"this cache holds (B, Hkv, D, Dv) = {want} but the new entries have {got}; "
                 "use one cache per layer and per batch, or call cache.reset() first"
             )
-        if k.dtype != self.key.dtype or k.device != self.key.device:
+        if k.dtype != key.dtype or k.device != key.device:
             raise ValueError(
-                f"this cache holds {self.key.dtype} on {self.key.device} but the new entries are "
+                f"this cache holds {key.dtype} on {key.device} but the new entries are "
                 f"{k.dtype} on {k.device}; convert them, or call cache.reset() first"
             )
 
