@@ -198,11 +198,13 @@ def module_or_refusal(backend: str, module, *args, **kwargs):
 class MaskPart:
     """One mask in plain words: ``kind`` and its parameters.
 
-    kinds: "causal" (align), "window" (left, right, align), "key_padding" (tensor (B, Lk),
+    kinds: "causal" (align), "window" (left, right, align, sinks), "key_padding" (tensor (B, Lk),
     True = real token), "keep" (bool tensor, True = may attend), "bias" (float tensor),
     "torch" (nn.MultiheadAttention masks, True = blocked: attn_mask and/or key_padding_mask),
-    each tensor broadcastable to (B, H, Lq, Lk) as the kind allows. ``raw`` passes a keep/bias
-    tensor as a plain tensor instead of through the constructor.
+    each tensor broadcastable to (B, H, Lq, Lk) as the kind allows; "documents" (``ids`` =
+    (q_ids (B|1, Lq), kv_ids (B|1, Lk)) integer document ids, < 0 padding), "chunked_local"
+    (chunk, align), "alibi" (tensor = slopes (H,), align), "mask_mod" (fn(b, h, q, kv) -> bool).
+    ``raw`` passes a keep/bias tensor as a plain tensor instead of through the constructor.
     """
 
     kind: str
@@ -212,13 +214,26 @@ class MaskPart:
     tensor: Optional[torch.Tensor] = None
     padding: Optional[torch.Tensor] = None
     raw: bool = False
+    sinks: int = 0
+    chunk: int = 1
+    ids: Optional[tuple] = None
+    fn: Optional[Callable] = None
 
     def to_multihead(self):
         """The multihead mask object (or plain tensor) for this part."""
         if self.kind == "causal":
             return mmasks.causal(self.align)
         if self.kind == "window":
-            return mmasks.window(self.left, self.right, align=self.align)
+            return mmasks.window(self.left, self.right, align=self.align, sinks=self.sinks)
+        if self.kind == "documents":
+            q_ids, kv_ids = self.ids
+            return mmasks.documents(q_ids) if kv_ids is q_ids else mmasks.documents(q_ids, kv_ids)
+        if self.kind == "chunked_local":
+            return mmasks.chunked_local(self.chunk, align=self.align)
+        if self.kind == "alibi":
+            return mmasks.alibi(self.tensor, align=self.align)
+        if self.kind == "mask_mod":
+            return mmasks.mask_mod(self.fn)
         if self.kind == "key_padding":
             return mmasks.key_padding(self.tensor)
         if self.kind == "keep":
@@ -250,25 +265,44 @@ def dense(parts: list, B: int, H: int, Lq: int, Lk: int, *, dtype=torch.float64)
     summed in ``score_dtype(dtype)`` (float32 for float16/bfloat16 inputs: never rounded to them).
 
     Query i sees key j when j <= i + offset (causal), and i + offset - left <= j <= i + offset + right
-    (window), offset = Lk - Lq for bottom-right alignment and 0 for top-left.
+    (window), offset = Lk - Lq for bottom-right alignment and 0 for top-left. With a documents
+    part the same holds inside each document (its queries and keys numbered from 0, as if run
+    alone; flash-attn varlen), keys of other documents are hidden, and so are padding ids (< 0).
+    A window's sink tokens are the first ``sinks`` keys (of the document) up to i + offset + right;
+    chunked_local keeps key j when j // chunk == (i + offset) // chunk; alibi adds
+    -slope_h * |j - (i + offset)|; a mask_mod is evaluated on the full index grids.
     """
     dtype = score_dtype(dtype)
     keep = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
     bias = torch.zeros(B, H, Lq, Lk, dtype=dtype)
-    rows = torch.arange(Lq).view(Lq, 1)
-    cols = torch.arange(Lk).view(1, Lk)
+    cols = torch.arange(Lk).view(1, 1, Lk)
+    docs = [p for p in parts if p.kind == "documents"]
+    # per (row b, query i): the first key of its document, and its diagonal key for each alignment
+    start, diags, same = _document_geometry(docs[0].ids if docs else None, B, Lq, Lk)
     for p in parts:
-        offset = (Lk - Lq) if p.align == "bottom_right" else 0
-        diag = rows + offset  # the key each query's diagonal sits on
+        diag = diags[p.align]  # (B, Lq, 1): the key each query's diagonal sits on
         if p.kind == "causal":
-            keep = keep & (cols <= diag)
+            keep = keep & (cols <= diag).unsqueeze(1)
         elif p.kind == "window":
-            ok = torch.ones(Lq, Lk, dtype=torch.bool)
+            ok = torch.ones(B, Lq, Lk, dtype=torch.bool)
             if p.left is not None:
                 ok = ok & (cols >= diag - p.left)
+            sink_token = cols - start < p.sinks
             if p.right is not None:
                 ok = ok & (cols <= diag + p.right)
-            keep = keep & ok
+                sink_token = sink_token & (cols <= diag + p.right)
+            keep = keep & (ok | sink_token).unsqueeze(1)
+        elif p.kind == "documents":
+            keep = keep & same.unsqueeze(1)
+        elif p.kind == "chunked_local":
+            keep = keep & (torch.div(cols - start, p.chunk, rounding_mode="floor")
+                           == torch.div(diag - start, p.chunk, rounding_mode="floor")).unsqueeze(1)
+        elif p.kind == "alibi":
+            bias = bias + (-p.tensor.to(dtype).view(1, H, 1, 1) * (cols - diag).abs().unsqueeze(1).to(dtype))
+        elif p.kind == "mask_mod":
+            grid = (torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+                    torch.arange(Lq).view(1, 1, Lq, 1), torch.arange(Lk).view(1, 1, 1, Lk))
+            keep = keep & p.fn(*grid)
         elif p.kind == "key_padding":
             keep = keep & p.tensor.view(B, 1, 1, Lk)
         elif p.kind == "keep":
@@ -290,6 +324,37 @@ def dense(parts: list, B: int, H: int, Lq: int, Lk: int, *, dtype=torch.float64)
         else:
             raise AssertionError(p.kind)
     return keep, bias
+
+
+def _document_geometry(ids, B: int, Lq: int, Lk: int):
+    """(start, {align: diagonal}, same) by loops over the documents: start (B, Lq, 1) the first
+    key of each query's document (0 without documents), each diagonal (B, Lq, 1), ``same``
+    (B, Lq, Lk) whether query and key share a document (all True without documents)."""
+    rows = torch.arange(Lq).view(1, Lq, 1)
+    if ids is None:
+        zero = torch.zeros(B, Lq, 1, dtype=torch.long)
+        return zero, {"bottom_right": rows + (Lk - Lq) + zero, "top_left": rows + zero}, torch.ones(B, Lq, Lk, dtype=torch.bool)
+    q_ids, kv_ids = ids
+    start = torch.zeros(B, Lq, 1, dtype=torch.long)
+    br = torch.zeros(B, Lq, 1, dtype=torch.long)
+    tl = torch.zeros(B, Lq, 1, dtype=torch.long)
+    same = torch.zeros(B, Lq, Lk, dtype=torch.bool)
+    for b in range(B):
+        qrow = q_ids[b % q_ids.shape[0]].tolist()
+        krow = kv_ids[b % kv_ids.shape[0]].tolist()
+        for i, d in enumerate(qrow):
+            if d < 0:
+                continue
+            qpos = [x for x in range(Lq) if qrow[x] == d]
+            kpos = [x for x in range(Lk) if krow[x] == d]
+            first = kpos[0] if kpos else 0
+            a = qpos.index(i)
+            start[b, i, 0] = first
+            br[b, i, 0] = first + a + len(kpos) - len(qpos)
+            tl[b, i, 0] = first + a
+            for j in kpos:
+                same[b, i, j] = True
+    return start, {"bottom_right": br, "top_left": tl}, same
 
 
 # --------------------------------------------------------------------------- attention

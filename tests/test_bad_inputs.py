@@ -333,7 +333,8 @@ def _trace_cases():
 
     yield Bad("trace(keep_values='yes')", lambda: multihead.trace(keep_values="yes"), TypeError,
               r"keep_values must be True or False")
-    yield Bad("trace(True) (positional)", lambda: multihead.trace(True), TypeError, r"positional argument")
+    yield Bad("trace(True) (positional)", lambda: multihead.trace(True), TypeError, r"root must be the nn.Module.*keep_values is keyword-only")
+    yield Bad("trace(root=not a module)", lambda: multihead.trace("model"), TypeError, r"root must be the nn.Module being traced \(or None\), got str$")
     yield Bad("Trace.step(unknown name)", step_of_unknown_name, KeyError, r"no step named 'no such step'; steps are")
 
 

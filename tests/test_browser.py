@@ -11,15 +11,16 @@ Skips only when Chromium or Playwright is not installed (``make test`` installs 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from multihead.cli import build_parser
+from multihead.cli import parse_options
 from multihead.explain import visual
-from multihead.explain.example import ExampleConfig, trace_example
+from multihead.explain import walkthrough
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_ARGS = [
@@ -39,6 +40,15 @@ def _chromium() -> str:
     return path
 
 
+def _walkthrough():
+    """The walkthrough the CLI draws for GQA cross-attention (deterministic in its seed)."""
+    options = parse_options(
+        ["--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6",
+         "--causal"]
+    )
+    return walkthrough.explain(options.example)
+
+
 @pytest.fixture(scope="module")
 def browser_page(tmp_path_factory):
     chromium = _chromium()
@@ -49,14 +59,12 @@ def browser_page(tmp_path_factory):
         print(f"SKIP: {reason}", file=sys.stderr)
         pytest.skip(reason)
 
-    args = build_parser().parse_args(
-        ["explain", "--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"]
-    )
-    trace = trace_example(ExampleConfig.from_args(args))
+    w = _walkthrough()
+    trace = w.trace
     maps = visual.head_maps_from_trace(trace, q_tokens=TOKENS_Q, k_tokens=TOKENS_K)
     tmp = tmp_path_factory.mktemp("browser")
     page_path = tmp / "walkthrough.html"
-    page_path.write_text(visual.render_html(trace, maps), encoding="utf-8")
+    page_path.write_text(visual.render_html(w, maps), encoding="utf-8")
     url = page_path.as_uri()
 
     events = {"console_errors": [], "requests": [], "dialogs": []}
@@ -101,6 +109,15 @@ def open_page(browser_page, tmp_path):
     yield open_
     for page in opened:
         page.close()
+
+
+def _hover(page, selector: str) -> None:
+    """Scroll the cell into view and let the page settle before the pointer moves onto it: the
+    page hides its tooltip on scroll (a tap, then a scroll), and hovering a cell below the fold
+    would scroll after the pointer arrived."""
+    page.eval_on_selector(selector, "e => e.scrollIntoView({block: 'center'})")
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    page.hover(selector)
 
 
 def _weights_shown(page) -> list[float]:
@@ -150,7 +167,7 @@ def test_switching_head_changes_the_heat_map(browser_page):
 def test_hover_reads_value_and_tokens_as_text(browser_page):
     page, _, maps, events = browser_page
     page.select_option("#head-select", "2")
-    page.hover('#heat-weights .cell[data-q="3"][data-k="0"]')
+    _hover(page, '#heat-weights .cell[data-q="3"][data-k="0"]')
     tip = page.inner_text("#tip")
     assert page.is_visible("#tip")
     assert "“tok” → " in tip and "“<script>”" in tip
@@ -229,7 +246,7 @@ def test_blocked_scores_given_as_minus_infinity(open_page):
     cells = page.eval_on_selector_all("#heat-scores .cell", "els => els.map(e => e.textContent)")
     assert cells[1] == cells[2] == cells[5] == "\u2212\u221e"
     assert cells[0] == f"{scores[0, 0, 0].item():.1f}"
-    page.hover('#heat-scores .cell[data-q="0"][data-k="2"]')
+    _hover(page, '#heat-scores .cell[data-q="0"][data-k="2"]')
     assert page.inner_text("#tip").endswith("score: \u2212\u221e (blocked)")
 
 
@@ -258,7 +275,145 @@ def test_real_model_page_switches_heads_and_layers(open_page):
     assert page.inner_text("#map-title") == maps[4].title
     caps = page.eval_on_selector_all(".thumb .cap", "els => els.map(e => e.textContent)")
     assert caps == [f"head {h} · {maps[4].head_label(h)}" for h in range(12)]
+    layers_heads = page.eval_on_selector_all(".mv-thumb", "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.head)])")
+    assert layers_heads == [[layer, h] for layer in range(6) for h in range(12)]  # MiniLM: 6 layers x 12 heads
     page.click('.thumb[data-head="2"]')
     page.select_option("#batch-select", "0")
     page.click("#lang-toggle")
     assert page.inner_text("#head-label") == "前一个 token 1.00" == maps[0].head_label(2, "zh")
+
+
+def test_hover_on_a_score_works_it_out_by_hand(browser_page):
+    """The worked score: q_i · k_j summed term by term in the page, then scaled, for the cell
+    under the pointer; the sum is the float64 dot product of the trace's own q and k."""
+    page, _, maps, events = browser_page
+    page.select_option("#head-select", "2")
+    _hover(page, '#heat-scores .cell[data-q="3"][data-k="1"]')
+    box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset, {hidden: e.hidden})")
+    assert (box["hidden"], box["head"], box["q"], box["k"]) == (False, "2", "3", "1")
+    m = maps[0]
+    q, k = m.q[2, 3].double(), m.k[2, 1].double()
+    expected = sum(a * b for a, b in zip(q.tolist(), k.tolist()))   # the page's order, in float64
+    assert float(box["sum"]) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert float(box["scaled"]) == pytest.approx(expected * m.scale, rel=1e-12, abs=1e-15)
+    assert int(box["terms"]) == q.numel() == 4
+    text = page.inner_text("#worked-text")
+    fmt = lambda v: ("\u2212" if v < 0 else "") + f"{abs(v):.4f}"  # noqa: E731
+    assert " + ".join(f"({fmt(a)})({fmt(b)})" for a, b in zip(q.tolist(), k.tolist())) in text
+    assert f"= {fmt(expected)}" in text and f"= {fmt(expected * m.scale)}" in text
+    assert "q₃ · k₁ = Σ_d q₃[d] k₁[d]   (d = 0 … 3)" in text
+    active = page.eval_on_selector_all("#heat-scores .cell.active", "els => els.map(e => [e.dataset.q, e.dataset.k])")
+    assert active == [["3", "1"]]   # the cell worked out stays marked on the score matrix
+    # the scaled score it arrives at is the one the scores panel shows for that cell
+    shown = page.eval_on_selector('#heat-scores .cell[data-q="3"][data-k="1"]', "e => Number(e.dataset.v)")
+    assert float(box["scaled"]) == pytest.approx(shown, abs=8 * torch_eps32() * max(1.0, abs(shown)) * q.numel())
+    _hover(page, '#heat-scores .cell[data-q="0"][data-k="5"]')   # a blocked cell: worked, then masked
+    assert page.eval_on_selector("#worked", "e => e.dataset.k") == "5"
+    assert "−∞" in page.inner_text("#worked-text")
+    assert events["console_errors"] == []
+
+
+def torch_eps32() -> float:
+    import torch
+
+    return torch.finfo(torch.float32).eps
+
+
+def test_model_view_has_a_thumbnail_per_layer_and_head(open_page):
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    maps = [visual.HeadMaps(torch.softmax(torch.randn(12, 5, 5, generator=g), -1), title=f"layer {i}") for i in range(3)]
+    page, events, url = open_page(visual.render_html(None, maps, group="layer"))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    thumbs = page.eval_on_selector_all(".mv-thumb", "els => els.map(e => [Number(e.dataset.layer), Number(e.dataset.head)])")
+    assert thumbs == [[layer, h] for layer in range(3) for h in range(12)]
+    sizes = page.eval_on_selector_all(".mv-thumb canvas", "els => els.map(c => [c.width, c.height, c.getBoundingClientRect().width])")
+    assert all(w == 5 and h == 5 and shown >= 16 for w, h, shown in sizes)
+    page.click('.mv-thumb[data-layer="2"][data-head="3"]')
+    assert page.eval_on_selector("#batch-select", "e => e.value") == "2"
+    assert page.eval_on_selector("#head-select", "e => e.value") == "3"
+    assert _weights_shown(page) == pytest.approx(maps[2].weights[3].flatten().tolist(), abs=1e-6)
+    assert page.eval_on_selector_all(".mv-thumb.selected", "els => els.map(e => e.dataset.layer + '/' + e.dataset.head)") == ["2/3"]
+    assert page.is_hidden("#worked")   # weights only: no q and k to work a score out from
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390   # the grid scrolls inside itself on a phone
+
+
+def test_step_cards_carry_the_numbers_the_text_prints(browser_page):
+    """Each card's tables hold, row by row, the numbers of the text walkthrough's lines for that step."""
+    page, trace, _, _ = browser_page
+    w = _walkthrough()
+    text = walkthrough.render_text(w, lang="en")
+    shown = page.eval_on_selector_all(
+        "li.step",
+        "els => els.map(e => Array.from(e.querySelectorAll('table.values tr'), tr => tr.classList.contains('gap') ? ['⋮'] :"
+        " Array.from(tr.querySelectorAll('td'), td => td.textContent)))",
+    )
+    with_numbers = 0
+    for s, rows in zip(trace.steps, shown):
+        expected = []
+        for block in walkthrough.step_blocks(s, w, "en"):
+            lines = walkthrough._block_lines(block, "", "en")[1:]
+            for line in lines:
+                assert line.strip() in text, (s.label, line)  # the text prints this line
+                tokens = line.split()
+                if tokens == ["⋮"]:
+                    expected.append(tokens)
+                    continue
+                label_tokens = len(f"{block.row_label}0".split())
+                cells = tokens[label_tokens:]
+                expected.append([c for c in cells if c != "|"])
+        assert rows == expected, s.label
+        with_numbers += bool(expected)
+    # the text shows numbers for every step but one (move heads back: the numbers of weights × V)
+    assert with_numbers == sum(bool(walkthrough.step_blocks(s, w, "en")) for s in trace.steps) >= len(trace.steps) - 1
+
+
+def test_checks_are_the_texts_checks(browser_page):
+    page, _, _, _ = browser_page
+    w = _walkthrough()
+    held, total = map(int, re.search(r"checks \((\d+)/(\d+) hold\)", walkthrough.render_text(w)).groups())
+    items = page.eval_on_selector_all("ul.checks li", "els => els.map(e => e.querySelector('[data-l=en]').textContent)")
+    assert len(items) == total == len(w.checks) and held == total
+    assert items == [walkthrough._check_text(c, w, "en") for c in w.checks]
+    assert page.inner_text("#checks-summary") == f"{held}/{total}"
+    own = sum(len(s.checks) for s in w.trace.steps)
+    assert total > own  # the recomputations are on the page too, not only the trace's own checks
+
+
+def test_a_fused_trace_page_has_its_steps_checks_and_language_switch(open_page):
+    """A trace of the sdpa backend (one fused step, no weights): the page has no heat maps, and
+    its script still runs the language toggle."""
+    import torch
+
+    import multihead
+
+    mha = multihead.MultiHeadAttention(8, 2, causal=True, backend="sdpa")
+    with torch.no_grad(), multihead.trace() as tr:
+        mha(torch.randn(1, 3, 8))
+    page, events, url = open_page(visual.render_html(tr, []))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    kinds = page.eval_on_selector_all("li.step", "els => els.map(e => e.dataset.step)")
+    assert kinds == [s.label for s in tr.steps] and any(s.kind.id == "fused_attention" for s in tr.steps)
+    assert page.locator("#attention").count() == 0 and page.locator("#model-view").count() == 0
+    fused = next(i for i, s in enumerate(tr.steps) if s.kind.id == "fused_attention")
+    assert page.locator(f"#step-{fused} table.values td").count() > 0   # its output's numbers, as in the text
+    page.click("#lang-toggle")
+    assert page.evaluate("document.documentElement.lang") == "zh" and page.inner_text("h1") == "多头注意力，逐步拆解"
+
+
+def test_worked_score_reads_the_kv_head_of_its_group(browser_page, open_page):
+    """Keys given per kv head (Hkv = 2 for 4 query heads): query head 3 works its score out with
+    kv head 1, the key the scores used."""
+    _, _, maps, _ = browser_page
+    m = maps[0]
+    grouped = visual.HeadMaps(m.weights, scores=m.scores, keep=m.keep, q=m.q, k=m.k[::2], scale=m.scale)
+    page, events, _ = open_page(visual.render_html(None, [grouped]))
+    page.select_option("#head-select", "3")
+    _hover(page, '#heat-scores .cell[data-q="2"][data-k="4"]')
+    box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset)")
+    expected = sum(a * b for a, b in zip(m.q[3, 2].double().tolist(), m.k[3, 4].double().tolist()))
+    assert (box["head"], box["q"], box["k"]) == ("3", "2", "4")
+    assert float(box["sum"]) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert events["console_errors"] == []

@@ -30,8 +30,9 @@ from torch._dynamo.utils import counters
 
 import multihead
 from multihead.backends import chunked
-from oracle import MaskPart, combine, deterministic_algorithms, judge, torch_threads
-from test_properties import (Case, ModuleCase, Oracle, _values, assert_agrees, forward_backward, module_oracle,
+from fixed_cases import MASK_KINDS, fixed_case
+from oracle import combine, deterministic_algorithms, judge, torch_threads
+from test_properties import (Case, ModuleCase, Oracle, assert_agrees, forward_backward, module_oracle,
                              oracle_run)
 
 BACKENDS = ("reference", "sdpa", "chunked", "auto")
@@ -63,37 +64,10 @@ def small_tiles(monkeypatch):
 
 
 # --------------------------------------------------------------------------- functional
-def _case(kind: str, dtype=torch.float32) -> Case:
-    """A fixed call of each mask family, several tiles long in each direction."""
-    gen = torch.Generator().manual_seed(sum(map(ord, kind)))
-    B, H, Hkv, D, Dv = 2, 4, 2, 8, 8
-    Lq, Lk = {"causal_cross": (33, 47), "window": (40, 40)}.get(kind, (37, 41))
-    if kind == "none":
-        parts = []
-    elif kind == "causal_cross":
-        parts = [MaskPart("causal")]
-    elif kind == "padding_bias":  # the first 20 keys are padding; a bias far below 0 on the rest
-        pad = torch.ones(B, Lk, dtype=torch.bool)
-        pad[:, :20] = False
-        parts = [MaskPart("key_padding", tensor=pad), MaskPart("bias", tensor=_values(gen, (B, H, Lq, Lk)) * 3 - 90)]
-    elif kind == "window":
-        parts = [MaskPart("window", left=5, right=0)]
-    else:
-        raise AssertionError(kind)
-    q = _values(gen, (B, H, Lq, D), dtype)
-    k = _values(gen, (B, Hkv, Lk, D), dtype)
-    v = _values(gen, (B, Hkv, Lk, Dv), dtype)
-    grad_out = _values(gen, (B, H, Lq, Dv), dtype)
-    return Case(B, H, Hkv, Lq, Lk, D, Dv, dtype, False, None, q, k, v, grad_out, parts)
-
-
-MASK_KINDS = ("none", "causal_cross", "padding_bias", "window")
-
-
 @functools.lru_cache(maxsize=None)
 def _oracle(kind: str) -> Oracle:
-    """The oracle of ``_case(kind)``, computed once for all backends and contexts."""
-    case = _case(kind)
+    """The oracle of ``fixed_case(kind)``, computed once for all backends and contexts."""
+    case = fixed_case(kind)
     oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
     for dt in (torch.float32, torch.bfloat16):
         oracle.at(dt)
@@ -117,7 +91,7 @@ def _run_attention(case: Case, backend: str, context: str):
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_in_every_context_matches_float64_oracle(backend, kind, context):
-    case, oracle = _case(kind), _oracle(kind)
+    case, oracle = fixed_case(kind), _oracle(kind)
     out, grads = _run_attention(case, backend, context)
     computed = CONTEXTS[context][2] or case.dtype
     assert out.dtype == computed, f"{context}: output {out.dtype}, want {computed}"
@@ -130,7 +104,7 @@ def test_attention_in_every_context_matches_float64_oracle(backend, kind, contex
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deterministic_mode_repeats_bit_for_bit_at_every_thread_count(backend, kind):
     """Under deterministic algorithms the output and every gradient are bitwise equal from run to run."""
-    case = _case(kind)
+    case = fixed_case(kind)
     with deterministic_algorithms():
         for threads in (1, 3, 8):
             with torch_threads(threads):
@@ -143,7 +117,7 @@ def test_deterministic_mode_repeats_bit_for_bit_at_every_thread_count(backend, k
 
 def test_mixing_contexts_across_calls_gives_the_same_results():
     """One call after another in different modes: each equals the same call made alone."""
-    case = _case("padding_bias")
+    case = fixed_case("padding_bias")
     alone = {c: _run_attention(case, "chunked", c)[0] for c in ("grad", "no_grad", "inference_mode")}
     for order in (("inference_mode", "grad", "no_grad"), ("no_grad", "inference_mode", "grad")):
         for c in order:
@@ -262,7 +236,7 @@ def _graph_breaks() -> int:
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
 def test_compiled_attention_matches_float64_oracle_on_repeated_calls(backend, context):
     """fullgraph=True: one graph, no break, and the compiled calls agree with the oracle every time."""
-    case = _case("causal_cross")
+    case = fixed_case("causal_cross")
     oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
     mask = combine(case.parts)
     f = _compiled(lambda q, k, v: multihead.attention(q, k, v, mask, backend=backend))
@@ -320,7 +294,7 @@ def test_chunked_is_routed_around_under_compile_and_explain_dispatch_says_so(mon
     ``explain_dispatch(compiling=True)`` names the reason; chunked asked for by name refuses."""
     from multihead.backends import sdpa
     monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
-    case = _case("window")
+    case = fixed_case("window")
     mask = combine(case.parts)
     assert multihead.explain_dispatch(case.q, case.k, case.v, mask).backend == "chunked"
     under = multihead.explain_dispatch(case.q, case.k, case.v, mask, compiling=True)

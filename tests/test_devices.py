@@ -39,8 +39,9 @@ from torch._dynamo.utils import counters
 
 import multihead
 from multihead.backends import chunked
+from fixed_cases import MASK_KINDS, fixed_case
 from oracle import MaskPart, combine, dense, judge, naive_attention, one_thread
-from test_properties import (Case, ModuleCase, Oracle, _values, assert_agrees, forward_backward, module_oracle,
+from test_properties import (Case, ModuleCase, Oracle, assert_agrees, forward_backward, module_oracle,
                              oracle_run, refused)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -75,43 +76,18 @@ def _cpu(out: torch.Tensor, grads: dict) -> tuple:
 
 
 # --------------------------------------------------------------------------- functional
-MASK_KINDS = ("none", "causal_cross", "padding_bias", "window")
-
-
-def _case(kind: str, dtype: torch.dtype) -> Case:
-    """A fixed call of each mask family (on the CPU), several tiles long in each direction."""
-    gen = torch.Generator().manual_seed(sum(map(ord, kind)))
-    B, H, Hkv, D, Dv = 2, 4, 2, 8, 8
-    Lq, Lk = {"causal_cross": (33, 47), "window": (40, 40)}.get(kind, (37, 41))
-    if kind == "none":
-        parts = []
-    elif kind == "causal_cross":
-        parts = [MaskPart("causal")]
-    elif kind == "padding_bias":  # row 1's first 20 keys are padding; a float32 bias far below 0
-        real = torch.arange(Lk).expand(B, Lk) >= 20 * torch.arange(B)[:, None]
-        parts = [MaskPart("key_padding", tensor=real), MaskPart("bias", tensor=_values(gen, (B, H, Lq, Lk)) * 3 - 90)]
-    elif kind == "window":
-        parts = [MaskPart("window", left=5, right=2)]
-    else:
-        raise AssertionError(kind)
-    q = _values(gen, (B, H, Lq, D), dtype)
-    k = _values(gen, (B, Hkv, Lk, D), dtype)
-    v = _values(gen, (B, Hkv, Lk, Dv), dtype)
-    grad_out = _values(gen, (B, H, Lq, Dv), dtype)
-    return Case(B, H, Hkv, Lq, Lk, D, Dv, dtype, False, None, q, k, v, grad_out, parts)
-
-
 def _case_on(case: Case, device: str) -> Case:
     """The same call with every tensor on ``device``."""
     parts = [p if p.tensor is None else replace(p, tensor=p.tensor.to(device)) for p in case.parts]
+    parts = [p if p.ids is None else replace(p, ids=tuple(t.to(device) for t in p.ids)) for p in parts]
     return replace(case, q=case.q.to(device), k=case.k.to(device), v=case.v.to(device),
                    grad_out=case.grad_out.to(device), parts=parts)
 
 
 @functools.lru_cache(maxsize=None)
 def _oracle(kind: str, dtype: torch.dtype) -> Oracle:
-    """The float64 oracle of ``_case(kind, dtype)`` (on the CPU), shared by every backend and device."""
-    case = _case(kind, dtype)
+    """The float64 oracle of ``fixed_case(kind, dtype)`` (on the CPU), shared by every backend and device."""
+    case = fixed_case(kind, dtype)
     return Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
 
 
@@ -130,7 +106,7 @@ def _attention(case: Case, backend: str, autocast=None):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("device,dtype", _per_device(DTYPES))
 def test_backend_matches_float64_oracle(device, dtype, backend, kind):
-    case = _case_on(_case(kind, dtype), device)
+    case = _case_on(fixed_case(kind, dtype), device)
     if refused(backend, case):
         return
     out, grads = _attention(case, backend)
@@ -143,7 +119,7 @@ def test_backend_matches_float64_oracle(device, dtype, backend, kind):
 def test_attention_under_autocast_matches_float64_oracle(device, dtype, backend):
     """float32 inputs inside autocast compute in autocast's dtype: judged as a ``dtype`` computation;
     the gradients come back in float32 (the inputs' dtype), the float32 bias's included."""
-    case = _case_on(_case("padding_bias", torch.float32), device)
+    case = _case_on(fixed_case("padding_bias", torch.float32), device)
     out, grads = _attention(case, backend, autocast=dtype)
     assert out.dtype == dtype
     assert all(g.dtype == torch.float32 for g in grads.values())

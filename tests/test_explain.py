@@ -229,11 +229,11 @@ def test_chinese_walkthrough(fmt):
 def test_chinese_covers_gqa_dropout_and_other_masks():
     rc, out, _ = run_cli("--lang", "zh", "--heads", "4", "--kv-heads", "1", "--dropout", "0.2", "--no-values")
     assert rc == 0 and "复制键/值头" in out and "随机失活" in out
-    from multihead.explain.i18n import step_title
+    from multihead import steps
 
-    assert step_title("causal & padding mask", "", "zh") == "因果 & 填充掩码"
-    with pytest.raises(KeyError):
-        step_title("a step nobody translated", "", "zh")
+    assert steps.MASK.title({"kinds": ("causal", "padding")}, "zh") == "因果 & 填充掩码"
+    with pytest.raises(KeyError, match="MASK_KINDS"):
+        steps.MASK.title({"kinds": ("a kind nobody translated",)}, "zh")
 
 
 def test_colour_only_on_a_terminal(monkeypatch):
@@ -342,12 +342,12 @@ def test_unwritable_out_is_one_line_before_any_work(tmp_path, monkeypatch):
     """An --out that cannot be written is refused, with the OS's reason, before the forward pass
     or the model runs (html/png printed a PermissionError traceback after the work; text reported
     it only after the work; issue 11, defect 10)."""
-    from multihead.explain import real_model, visual, walkthrough
+    from multihead.explain import real_model, walkthrough
 
     def no_work(*args, **kwargs):
         raise AssertionError("the work ran before --out was checked")
 
-    for module, name in ((walkthrough, "explain"), (visual, "trace_example"), (real_model, "attention_for_text")):
+    for module, name in ((walkthrough, "explain"), (real_model, "attention_for_text")):  # html runs walkthrough.explain too
         monkeypatch.setattr(module, name, no_work)
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -419,7 +419,7 @@ def test_explain_does_not_import_the_cli():
     ["--batch", "3", "--tokens", "9", "--d-in", "5", "--d-out", "12", "--heads", "3", "--seed", "0"],
 ])
 def test_every_check_holds(argv):
-    w = explain(ExampleConfig.from_args(multihead.cli.build_parser().parse_args(["explain", *argv])), per_head=True)
+    w = explain(multihead.cli.parse_options(argv).example, per_head=True)
     assert w.checks and all(c.ok for c in w.checks), [c for c in w.checks if not c.ok]
 
 

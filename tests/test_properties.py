@@ -2,7 +2,9 @@
 
 Hypothesis draws B, H, Hkv | H, Lq, Lk (1 to 70: lengths that are multiples of no block size
 are the common case), D, Dv, the dtype (float64, float32, bfloat16, float16), self or cross
-attention, and up to three masks of every kind joined with ``&``. Each path's output and
+attention, and up to three masks of every kind joined with ``&`` (the score mods and sinks
+excepted: they are not a keep or a bias, and tests/test_masks_kinds.py holds them to float64
+definitions). Each path's output and
 gradients are held to the rule of :mod:`oracle` (at most 2x the error of the naive attention
 computed in the same precision, plus a few ulps). Backends come from
 ``multihead.backends.names()`` at run time, so a newly registered backend is covered as is.
@@ -43,18 +45,70 @@ def _broadcast_shape(draw, B, H, Lq, Lk):
     return draw(st.sampled_from([(Lq, Lk), (B, 1, Lq, Lk), (B, H, Lq, Lk), (1, H, 1, Lk), (Lk,), (B, 1, 1, Lk), ()]))
 
 
+def _stripes(b, h, q_idx, kv_idx):
+    return (q_idx + 2 * kv_idx + h + b) % 3 != 0
+
+
+def _near(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 3
+
+
+def _prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < 5)
+
+
+MASK_MODS = [_stripes, _near, _prefix_lm]
+
+
+@st.composite
+def document_ids(draw, B, Lq, Lk):
+    """(q_ids (B|1, Lq), kv_ids (B|1, Lk)): each row a packing of the same documents' queries and
+    keys (lengths may be 0), some of them padding (id -1); kv_ids is q_ids itself when Lq == Lk
+    and the draw says so (self-attention on packed sequences)."""
+    rows = draw(st.sampled_from([1, B]))
+    shared = Lq == Lk and draw(st.booleans())
+
+    def packing(total, n):
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=n - 1, max_size=n - 1)))
+        return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+    q_rows, k_rows = [], []
+    for _ in range(rows):
+        n = draw(st.integers(1, 4))
+        names = [d if draw(st.integers(0, 5)) else -1 for d in range(n)]
+        qlen = packing(Lq, n)
+        klen = qlen if shared else packing(Lk, n)
+        q_rows.append([d for d, m in zip(names, qlen) for _ in range(m)])
+        k_rows.append([d for d, m in zip(names, klen) for _ in range(m)])
+    q_ids = torch.tensor(q_rows)
+    return (q_ids, q_ids) if shared else (q_ids, torch.tensor(k_rows))
+
+
 @st.composite
 def mask_parts(draw, B, H, Lq, Lk, dtype, gen):
     """Up to three mask parts of random kinds for (B, H, Lq, Lk)."""
     parts = []
     for _ in range(draw(st.integers(0, 3))):
-        kind = draw(st.sampled_from(["causal", "window", "key_padding", "keep", "bias", "torch"]))
+        kind = draw(st.sampled_from(["causal", "window", "key_padding", "keep", "bias", "torch",
+                                     "documents", "chunked_local", "alibi", "mask_mod"]))
         align = draw(st.sampled_from(["bottom_right", "top_left"]))
         if kind == "causal":
             parts.append(MaskPart("causal", align=align))
         elif kind == "window":
             side = st.one_of(st.none(), st.integers(0, MAX_LEN))
-            parts.append(MaskPart("window", align=align, left=draw(side), right=draw(side)))
+            sinks = draw(st.sampled_from([0, 0, 1, 4]))
+            parts.append(MaskPart("window", align=align, left=draw(side), right=draw(side), sinks=sinks))
+        elif kind == "documents":
+            if any(p.kind == "documents" for p in parts):
+                continue  # a mask has one documents part
+            parts.append(MaskPart("documents", ids=draw(document_ids(B, Lq, Lk))))
+        elif kind == "chunked_local":
+            parts.append(MaskPart("chunked_local", align=align, chunk=draw(st.integers(1, 24))))
+        elif kind == "alibi":
+            slopes = multihead.masks.alibi_slopes(H) if draw(st.booleans()) else torch.rand(H, generator=gen, dtype=torch.float64)
+            parts.append(MaskPart("alibi", align=align, tensor=slopes))
+        elif kind == "mask_mod":
+            parts.append(MaskPart("mask_mod", fn=draw(st.sampled_from(MASK_MODS))))
         elif kind == "key_padding":
             density = draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
             parts.append(MaskPart("key_padding", tensor=torch.rand(B, Lk, generator=gen) < density))

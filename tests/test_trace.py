@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import multihead
-from multihead import masks
+from multihead import masks, steps
 from multihead.backends import reference
 from multihead.trace import Trace, _layout_checks, current
 
@@ -268,18 +268,18 @@ def test_to_json_and_str():
 def test_layout_checks_fail_on_wrong_data():
     x = torch.randn(2, 3, 8)
     split = x.view(2, 3, 2, 4)
-    assert _layout_checks("split heads", split, x, True) == {"same data after view": True}
+    assert _layout_checks(steps.SPLIT_HEADS, split, x, True) == {"same data after view": True}
     copied = split.clone()
-    assert _layout_checks("split heads", copied, x, False) == {"same data after view": False}
+    assert _layout_checks(steps.SPLIT_HEADS, copied, x, False) == {"same data after view": False}
     moved = split.transpose(1, 2)
     wrong = moved.clone()
     wrong[0, 0, 0, 0] += 1
-    assert _layout_checks("move heads forward", wrong, split, True) == {"same data after transpose": False}
+    assert _layout_checks(steps.MOVE_HEADS_FORWARD, wrong, split, True) == {"same data after transpose": False}
     merged = moved.transpose(1, 2).reshape(2, 3, 8)
     bad = merged.clone()
     bad[1, 2, 7] = 0.5
-    assert _layout_checks("merge heads", merged, moved.transpose(1, 2), False)["heads concatenated back to d_out"]
-    assert not _layout_checks("merge heads", bad, moved.transpose(1, 2), False)["heads concatenated back to d_out"]
+    assert _layout_checks(steps.MERGE_HEADS, merged, moved.transpose(1, 2), False)["heads concatenated back to d_out"]
+    assert not _layout_checks(steps.MERGE_HEADS, bad, moved.transpose(1, 2), False)["heads concatenated back to d_out"]
 
 
 def test_softmax_checks_fail_on_wrong_weights():

@@ -14,27 +14,28 @@ import pytest
 import torch
 
 from multihead import Trace
-from multihead.cli import build_parser, main
+from multihead.cli import main, parse_options
 from multihead.explain import visual
 from multihead.explain.visual import HeadMaps, head_maps_from_trace, render_html, step_kind
-from multihead.explain.example import ExampleConfig, trace_example
-from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_meaning, step_title, trace_sizes
+from multihead.explain.example import trace_example
+from multihead import steps
+from multihead.explain.i18n import LANGS, check_name, describe_step, note_text, step_title, trace_sizes
 from multihead.explain.visual_svg import axis_sizes, parse_pattern, step_svg
 
 CONFIGS = {
     "default": [],
-    "gqa-cross": ["--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6"],
+    "gqa-cross": ["--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6", "--causal"],
     "no-causal-dropout": ["--no-causal", "--dropout", "0.3", "--batch", "3"],
 }
 
 
 def _args(extra, fmt="html", out="x"):
-    return build_parser().parse_args(["explain", "--format", fmt, "--out", str(out), *extra])
+    return parse_options(["--format", fmt, "--out", str(out), *extra])
 
 
 def _trace(extra, fmt="html"):
     """The trace the CLI draws for these options: the walkthrough's example."""
-    return trace_example(ExampleConfig.from_args(_args(extra, fmt)))
+    return trace_example(_args(extra, fmt).example)
 
 
 def _json_block(page: str) -> dict:
@@ -90,7 +91,7 @@ def test_html_has_every_step_with_its_shape_and_kind(pages, name):
         assert f'<span class="mark">{"✓" if ok else "✗"}</span> <span data-l="en" lang="en">{html.escape(check)}</span>' in page
     for step in trace.steps:  # every check also in Chinese, after its English text
         for name, ok in step.checks.items():
-            zh = f"{step_title(step.name, step.role, 'zh')}: {check_name(name, 'zh')}"
+            zh = f"{step_title(step, 'zh')}: {check_name(name, 'zh')}"
             assert f'{html.escape(step.label)}: {html.escape(name)}</span><span data-l="zh" lang="zh">{html.escape(zh)}</span></li>' in page
 
 
@@ -148,9 +149,9 @@ def test_every_step_has_a_meaning_in_both_languages(pages):
             for lang in LANGS:
                 meaning = describe_step(step, lang, sizes)
                 assert meaning and shown["meaning"][lang] == meaning, (step.label, lang)
-                assert shown["title"][lang] == step_title(step.name, step.role, lang)
+                assert shown["title"][lang] == step_title(step, lang)
                 assert html.escape(meaning) in page
-    assert step_meaning("padding & causal mask", "zh", kinds="")  # any combination of mask kinds
+    assert steps.MASK.meaning({"kinds": ("padding", "causal")}, "zh")  # any combination of mask kinds
 
 
 def test_page_and_text_walkthrough_tell_the_same_pass_in_the_same_words(pages):
@@ -172,13 +173,13 @@ def test_notes_are_localised_and_the_code_ones_kept(pages):
     page, trace = pages["no-causal-dropout"]
     scale, dropout = trace.step("scale"), trace.step("dropout")
     for step in (scale, dropout):
-        zh = note_text(step.note, "zh")
+        zh = note_text(step, "zh")
         assert zh and zh != step.note
         assert f'<p class="note"><span data-l="en" lang="en">{html.escape(step.note)}</span><span data-l="zh" lang="zh">{html.escape(zh)}</span></p>' in page
-    assert "D = 4 时即 1/√D" in note_text(scale.note, "zh")
+    assert "D = 4 时即 1/√D" in note_text(scale, "zh")
     gqa_page, gqa = pages["gqa-cross"]
     mask = gqa.step("causal mask")  # a mask's repr is code: the same in both languages
-    assert note_text(mask.note, "zh") == ""
+    assert note_text(mask, "zh") == mask.note == mask.params["code"]
     assert f'<span data-l="zh" lang="zh">{html.escape(mask.note)}</span></p>' in gqa_page
 
 
@@ -394,3 +395,37 @@ def test_keep_follows_a_user_mask_and_a_minus_infinity_bias():
     for b, m in enumerate(maps):
         assert torch.equal(m.keep, expected[b].expand(2, 3, 3))
         assert torch.equal(m.weights[~m.keep], torch.zeros(int((~m.keep).sum())))
+
+
+def test_head_maps_check_the_operands_of_the_worked_score():
+    w = torch.rand(4, 3, 5)
+    q, k = torch.rand(4, 3, 2), torch.rand(2, 5, 2)
+    HeadMaps(w, q=q, k=k, scale=0.5)                       # keys per kv head: 2 serve 4 query heads
+    with pytest.raises(ValueError, match="q and k come together"):
+        HeadMaps(w, q=q)
+    with pytest.raises(ValueError, match=r"q must be \(H, Lq, D\) = \(4, 3, D\)"):
+        HeadMaps(w, q=torch.rand(4, 2, 2), k=k)
+    with pytest.raises(ValueError, match=r"k must be \(Hkv, Lk, D\) = \(a divisor of 4, 5, 2\)"):
+        HeadMaps(w, q=q, k=torch.rand(3, 5, 2))
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        HeadMaps(w, q=q, k=k, scale=float("nan"))
+
+
+def test_fragments_are_sections_of_the_page_after_the_heat_maps():
+    w = torch.softmax(torch.rand(2, 3, 3), -1)
+    neuron = visual.Fragment("neuron", {"en": "Neuron view", "zh": "神经元视图"}, "<p id='n'>q · k</p>",
+                             script="document.getElementById('n').dataset.ran = '1';")
+    page = render_html(None, [HeadMaps(w)], fragments=[neuron])
+    assert page.index('<section id="attention">') < page.index('<section id="neuron">')
+    assert '<span data-l="en" lang="en">Neuron view</span><span data-l="zh" lang="zh">神经元视图</span>' in page
+    assert page.index("<script>document.getElementById('n')") > page.index('id="mh-data"')  # after the page's own
+    with pytest.raises(ValueError, match="Fragment id must be"):
+        visual.Fragment("attention", {"en": "a", "zh": "b"}, "")
+    with pytest.raises(ValueError, match="Fragment title must map each of"):
+        visual.Fragment("x", {"en": "a"}, "")
+    with pytest.raises(ValueError, match="must not contain '</script'"):
+        visual.Fragment("x", {"en": "a", "zh": "b"}, "", script="'</script>'")
+    with pytest.raises(ValueError, match="distinct ids"):
+        render_html(None, [HeadMaps(w)], fragments=[neuron, neuron])
+    with pytest.raises(TypeError, match="visual.Fragment"):
+        render_html(None, [HeadMaps(w)], fragments=["<p>"])

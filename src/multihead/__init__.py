@@ -16,11 +16,13 @@ Public surface:
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
 * :class:`multihead.nn.MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``
 * :func:`trace` -- record the steps of a real forward pass
+* :func:`explain` -- the step-by-step walkthrough of your own module or trace (text, Markdown,
+  JSON, HTML, inline in Jupyter); loaded on first use
 * :class:`KVCache`, :class:`StaticKVCache`, :class:`KVCaches`, :class:`RoPE` -- step-by-step
   decoding (eager and compiled, one cache per layer) and rotary position embeddings
 """
 
-from . import backends, masks, nn
+from . import backends, masks, nn, steps
 from .cache import KVCache, KVCaches, StaticKVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch
@@ -28,6 +30,11 @@ from .module import MultiHeadAttention
 from .per_head import PerHeadAttention
 from .rope import RoPE
 from .trace import Trace, trace
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .explain.explanation import explain
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
@@ -38,6 +45,7 @@ __all__ = [
     "masks",
     "backends",
     "nn",
+    "steps",
     "MultiHeadAttention",
     "PerHeadAttention",
     "AttentionConfig",
@@ -47,4 +55,15 @@ __all__ = [
     "StaticKVCache",
     "KVCaches",
     "RoPE",
+    "explain",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``multihead.explain``, imported on first use (``import multihead`` stays light: the
+    walkthrough's renderers load only when asked for)."""
+    if name == "explain":
+        import importlib
+
+        return importlib.import_module(".explain", __name__)  # the package is callable: explain(...)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

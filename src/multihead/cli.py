@@ -1,22 +1,30 @@
 """The ``multihead`` command line: a thin shell over the library.
 
 ``build_parser()`` builds the argparse tree; ``main(argv)`` runs it in-process and returns the
-exit code, so tests call ``main([...])``. A user mistake prints one line on stderr and exits 2:
-a bad value, an option that does not apply to what was asked (refused, not ignored), a size the
-chosen format cannot show (the caps of :mod:`multihead.explain.example`, listed in ``--help``),
-an ``--out`` that cannot be written. All of it is checked before any work.
+exit code, so tests call ``main([...])``. This module alone knows argparse: it turns the flags
+into typed values (:class:`multihead.explain.options.Options`, whose ``example`` is an
+:class:`~multihead.explain.example.ExampleConfig`; :func:`parse_options`) and calls the explain
+package with them. A user mistake prints one line on stderr and exits 2: a bad value, an option
+that does not apply to what was asked (refused, not ignored), a size the chosen format cannot
+show (the caps of :mod:`multihead.explain.example`, listed in ``--help``), an ``--out`` that
+cannot be written, and any ValueError or TypeError the explain package raises. All of it is
+checked before any work. What the explain package warns about
+(:class:`multihead.explain.ExplainWarning`) is one line on stderr too.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from dataclasses import fields
 from typing import Optional, Sequence
 
-from .explain import UsageError
-from .explain.example import LIMITS, MAX_BATCH, MAX_FEATURES, MAX_HEADS
+from .explain import ExplainWarning, UsageError
+from .explain.example import LIMITS, MAX_BATCH, MAX_FEATURES, MAX_HEADS, ExampleConfig, check_heads
+from .explain.options import FORMATS, Options
 
-__all__ = ["build_parser", "main", "UsageError"]
+__all__ = ["build_parser", "parse_options", "main", "UsageError"]
 
 _SEEDS = 2 ** 64  # torch.manual_seed takes 0 .. 2**64 - 1
 
@@ -118,13 +126,15 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
     cfg.add_argument("--kv-heads", type=_positive("--kv-heads"), default=d(None), help="key/value heads (GQA; default H)")
     cfg.add_argument("--keys", type=_positive("--keys"), default=d(None),
                      help=f"cross-attention: this many key tokens from a second input (at most {cap[0]}, {cap[1]} for html/png)")
-    cfg.add_argument("--no-causal", dest="causal", action="store_false", default=d(True), help="no causal mask")
+    cfg.add_argument("--causal", dest="causal", action="store_true", default=d(None),
+                     help="a causal mask (the default for self-attention; with --keys only when asked)")
+    cfg.add_argument("--no-causal", dest="causal", action="store_false", default=d(None), help="no causal mask")
     cfg.add_argument("--seed", type=_int_in("--seed", 0, _SEEDS - 1, "torch's seed range"), default=d(42),
                      help="random seed (default 42)")
     cfg.add_argument("--dropout", type=_probability, default=d(0.0), help="attention dropout, run in training mode")
     out = ex.add_argument_group("output")
     out.add_argument("--lang", choices=("en", "zh"), default=d("en"), help="language (default en; png labels are English)")
-    out.add_argument("--format", choices=("text", "json", "markdown", "html", "png"), default=d("text"))
+    out.add_argument("--format", choices=FORMATS, default=d("text"))
     out.add_argument("--out", default=d(None), help="write to this file instead of stdout (needed for html/png; - = stdout)")
     out.add_argument("--values", dest="values", action="store_true", default=d(True), help="print numbers (default; text/json/markdown)")
     out.add_argument("--no-values", dest="values", action="store_false", default=d(True), help="shapes only")
@@ -149,7 +159,7 @@ _TEXT_ONLY = ("values", "per_head", "cost")
 
 def _flag(dest: str, args) -> str:
     if dest == "causal":
-        return "--no-causal"
+        return "--causal" if args.causal else "--no-causal"
     if dest == "values":
         return "--values" if args.values else "--no-values"
     return "--" + dest.replace("_", "-")
@@ -206,22 +216,49 @@ def _check_sizes(args) -> None:
         )
 
 
-def _explain(args, stdout) -> int:
-    if args.model is not None and args.format in ("html", "png"):
+#: the ExampleConfig field each walkthrough flag sets (the flag is "--" + the name, "_" as "-")
+_EXAMPLE_FIELDS = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout")
+_FLAGS = {name: "--" + name.replace("_", "-") for name in _EXAMPLE_FIELDS}
+
+
+def _typed(args) -> Options:
+    """The :class:`Options` of checked ``args``: the walkthrough's flags become the example's
+    config (the heads rule named by its flags), every other flag the option of the same name."""
+    example = ExampleConfig()
+    if args.model is None:
+        check_heads(args.heads, args.d_out, args.kv_heads, names=_FLAGS)
+        example = ExampleConfig(**{name: getattr(args, name) for name in _EXAMPLE_FIELDS})
+    given = {f.name: getattr(args, f.name) for f in fields(Options) if f.name != "example" and hasattr(args, f.name)}
+    return Options(**given, example=example)
+
+
+def parse_options(argv: Sequence[str]) -> Options:
+    """The typed :class:`Options` of ``multihead explain`` arguments (``argv`` without the
+    command), every option checked as :func:`main` checks it (UsageError / ValueError)."""
+    full = ["explain", *argv]
+    args = build_parser().parse_args(full)
+    _check_options(args, set(vars(build_parser(defaults=False).parse_args(full))))
+    return _typed(args)
+
+
+def _explain(options: Options, stdout) -> int:
+    run: object
+    if options.model is not None and options.format in ("html", "png"):
         from .explain.real_model import run_visual as run
-    elif args.model is not None:
+    elif options.model is not None:
         from .explain.real_model import run
-    elif args.format in ("html", "png"):
+    elif options.format in ("html", "png"):
         from .explain.visual import run
     else:
         from .explain.walkthrough import run
-    return run(args, stdout)
+    return run(options, stdout)  # type: ignore[operator]
 
 
 def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> int:
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     argv = sys.argv[1:] if argv is None else list(argv)
+    caught: list = []
     try:
         args = build_parser().parse_args(argv)
         if args.version:
@@ -230,12 +267,25 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> i
         if args.command is None:
             raise UsageError("choose a command: multihead explain (see multihead --help)")
         _check_options(args, set(vars(build_parser(defaults=False).parse_args(argv))))
-        return _explain(args, stdout)
-    except UsageError as e:
-        print(f"multihead: error: {e}", file=stderr)
+        options = _typed(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ExplainWarning)
+            return _explain(options, stdout)
+    except (ValueError, TypeError) as e:  # UsageError is a ValueError
+        print(f"multihead: error: {_one_line(e)}", file=stderr)
         return 2
     except SystemExit as e:  # --help exits 0 through argparse
         return int(e.code or 0)
+    finally:
+        for w in caught:
+            if issubclass(w.category, ExplainWarning):
+                print(f"multihead: warning: {_one_line(w.message)}", file=stderr)
+            else:  # not ours: shown as Python would have
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
 
 
 if __name__ == "__main__":  # pragma: no cover

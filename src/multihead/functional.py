@@ -36,7 +36,7 @@ def _prepare(
     dropout_p = check_dropout(dropout_p)
     m = as_mask(mask)
     if m is not None:
-        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device, dtype=q.dtype)
     return m, scale, dropout_p
 
 
@@ -211,7 +211,7 @@ def attention_weights(
     scale = check_scale(scale, q.shape[-1])
     m = as_mask(mask)
     if m is not None:
-        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+        m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device, dtype=q.dtype)
     if heads is not None or rows is not None:
         heads = check_indices(heads, q.shape[1], "heads", "query head")
         rows = check_indices(rows, q.shape[2], "rows", "query position")

@@ -14,13 +14,14 @@ from typing import Optional
 
 import torch
 
+from . import steps as _steps
 from . import trace as _trace
 
-SPLIT_PATTERN = "b t (h d) -> b t h d"
-MOVE_FORWARD_PATTERN = "b t h d -> b h t d"
-MOVE_BACK_PATTERN = "b h t d -> b t h d"
-MERGE_PATTERN = "b t h d -> b t (h d)"
-REPEAT_KV_PATTERN = "b hkv t d -> b (hkv g) t d"
+SPLIT_PATTERN = _steps.SPLIT_HEADS.pattern
+MOVE_FORWARD_PATTERN = _steps.MOVE_HEADS_FORWARD.pattern
+MOVE_BACK_PATTERN = _steps.MOVE_HEADS_BACK.pattern
+MERGE_PATTERN = _steps.MERGE_HEADS.pattern
+REPEAT_KV_PATTERN = _steps.REPEAT_KV.pattern
 
 
 def split_heads(x: torch.Tensor, num_heads: int, *, role: str = "") -> torch.Tensor:
@@ -38,10 +39,10 @@ def _split_heads(x: torch.Tensor, num_heads: int, tr: Optional[_trace.Trace], ro
     B, L, F = x.shape
     y = x.view(B, L, num_heads, F // num_heads)
     if tr is not None:
-        tr.record("split heads", y, SPLIT_PATTERN, ("b", "t", "h", "d"), source=x, role=role)
+        tr.record(_steps.SPLIT_HEADS, y, source=x, role=role)
     z = y.transpose(1, 2)
     if tr is not None:
-        tr.record("move heads forward", z, MOVE_FORWARD_PATTERN, ("b", "h", "t", "d"), source=y, role=role)
+        tr.record(_steps.MOVE_HEADS_FORWARD, z, source=y, role=role)
     return z
 
 
@@ -50,10 +51,10 @@ def _merge_heads(x: torch.Tensor, tr: Optional[_trace.Trace]) -> torch.Tensor:
     B, H, L, D = x.shape
     y = x.transpose(1, 2)
     if tr is not None:
-        tr.record("move heads back", y, MOVE_BACK_PATTERN, ("b", "t", "h", "d"), source=x)
+        tr.record(_steps.MOVE_HEADS_BACK, y, source=x)
     z = y.reshape(B, L, H * D)
     if tr is not None:
-        tr.record("merge heads", z, MERGE_PATTERN, ("b", "t", "d_out"), source=y)
+        tr.record(_steps.MERGE_HEADS, z, source=y)
     return z
 
 

@@ -69,6 +69,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import functional as _functional
 from . import masks as _masks
+from . import steps as _steps
 from . import trace as _trace
 from ._checks import check_module_inputs
 from ._numerics import default_scale
@@ -82,8 +83,6 @@ from . import hf as _hf, interop as _interop, per_head as _per_head
 
 __all__ = ["MultiHeadAttention"]
 
-_FUSED_QKV = "one product with the concatenated weights [W_q; W_k; W_v]"
-_FUSED_KV = "K and V: one product with [W_k; W_v]"
 
 
 def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int) -> torch.Tensor:
@@ -442,14 +441,34 @@ class MultiHeadAttention(nn.Module):
             )
         cache._check_step(query.shape[0], query.shape[1], query.device)
 
-    def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True):
+    def _check_positions(self, positions: object, batch: int, lq: int, device) -> torch.Tensor:
+        """forward's ``positions=``: (B, Lq) or (Lq,) ints >= 0, for a module with rope."""
+        if self.rope is None:
+            raise ValueError("positions= gives RoPE positions, but this module has rope=False; build it with rope=True")
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+            raise TypeError(
+                f"positions must be an integer torch.Tensor (B, Lq) or (Lq,), got "
+                f"{getattr(positions, 'dtype', type(positions).__name__)}; use torch.tensor(positions)"
+            )
+        if tuple(positions.shape) not in ((lq,), (batch, lq)):
+            raise ValueError(
+                f"positions must be (B, Lq) = {(batch, lq)} or (Lq,) = ({lq},), one per query token, "
+                f"got {tuple(positions.shape)}"
+            )
+        if positions.device != device:
+            raise ValueError(f"positions are on {positions.device} but the input is on {device}; move them with .to()")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+        return positions.long()
+
+    def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True, dtype=None):
         """The call's mask checked against (B, H, Lq, Lk), combined with the module's causal mask
         (unless ``causal=False``: with a cache, the cache's own mask says what each token sees)."""
         if mask is None and (not causal or self._causal_mask is None or lq == 1):
             return None  # the common decode step: nothing to check or combine
         m = _masks.as_mask(mask)
         if m is not None:
-            m.check((batch, self.config.num_heads, lq, lk), device)
+            m.check((batch, self.config.num_heads, lq, lk), device, dtype=dtype)
         # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
         if causal and self._causal_mask is not None and (m is not None or lq > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
@@ -458,19 +477,19 @@ class MultiHeadAttention(nn.Module):
     @overload
     def forward(
         self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
-        mask: _masks.MaskLike = None, return_weights: Literal[False] = False, cache: Optional[KVCache] = None,
+        mask: _masks.MaskLike = None, return_weights: Literal[False] = False, cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor: ...
 
     @overload
     def forward(
         self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
-        mask: _masks.MaskLike = None, return_weights: Literal[True], cache: Optional[KVCache] = None,
+        mask: _masks.MaskLike = None, return_weights: Literal[True], cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
     def forward(
         self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None, *,
-        mask: _masks.MaskLike = None, return_weights: bool = False, cache: Optional[KVCache] = None,
+        mask: _masks.MaskLike = None, return_weights: bool = False, cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def forward(
@@ -482,6 +501,7 @@ class MultiHeadAttention(nn.Module):
         mask: _masks.MaskLike = None,
         return_weights: bool = False,
         cache: Optional[KVCache] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -501,6 +521,13 @@ class MultiHeadAttention(nn.Module):
                 ones), so no mask is needed at any step. A ``mask`` given too must fit
                 Lk = len(cache) after the write (KVCache) or Lk = max_len (StaticKVCache). The
                 output equals the last Lq rows of a full causal forward over the whole sequence.
+            positions: (B, Lq) or (Lq,) integer RoPE positions of the query tokens, for a module
+                with rope; e.g. restarting at 0 for every document packed into a row (with
+                ``mask=masks.documents(ids)``). Default: 0 .. Lq-1, or the cache's positions.
+                With a cache they are the positions the new tokens are rotated at and written to
+                the cache with (the cached keys keep the rotation of their own step); which keys
+                each token sees is still the cache's order and the mask's (a new document in a
+                cache: ``masks.documents(q_ids, kv_ids)`` hides the earlier ones).
 
         Returns:
             (B, Lq, d_out), or ``(out, weights)``.
@@ -508,19 +535,22 @@ class MultiHeadAttention(nn.Module):
         key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
         batch, lq = query.shape[0], query.shape[1]
-        positions: Union[int, torch.Tensor] = 0
+        given = None if positions is None else self._check_positions(positions, batch, lq, query.device)
+        at: Union[int, torch.Tensor] = 0
         lk, bound = key.shape[1], None
         if cache is not None:
             self._check_cache(cache, query, key, value)
-            positions, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
-        m = self._mask(mask, batch, lq, lk, query.device, causal=cache is None)
+            at, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
+        if given is not None:  # any (Lq,) or (B, Lq) ints, looked up below their own bound
+            at, bound = given, (int(given.max()) + 1 if given.numel() else 1)
+        m = self._mask(mask, batch, lq, lk, query.device, causal=cache is None, dtype=query.dtype)
         tr = _trace.current()
         if tr is not None:
             tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
-            tr.record("input", query, None, ("b", "t", "d_in"))
+            tr.record(_steps.INPUT, query, module=self)
         q, k, v = self._project(query, key, value, tr)
         if self.rope is not None:
-            q, k = self._rotate(q, k, positions, tr, bound=bound)
+            q, k = self._rotate(q, k, at, tr, bound=bound)
         if cache is not None:
             k, v, m = self._write_cache(cache, k, v, m, tr)
         o, weights = self._attend(q, k, v, m, return_weights, tr)
@@ -549,27 +579,27 @@ class MultiHeadAttention(nn.Module):
             self._record_projections(tr, (q, k, v), (query, key, value), stacked is not None)
         return _split_heads(q, heads, tr, "Q"), _split_heads(k, kv_heads, tr, "K"), _split_heads(v, kv_heads, tr, "V")
 
-    def _record_projections(self, tr, outs: tuple, inputs: tuple, fused: bool = False) -> None:
+    def _record_projections(self, tr, outs: tuple, inputs: tuple, one_product: bool = False) -> None:
         """Trace the three projections, with the seeds' claim checked on the real values: when
         the inputs are shared, one product with the stacked weights [W_q; W_k; W_v] (or
-        [W_k; W_v]) gives the same Q, K, V as the separate products. ``fused``: the module
+        [W_k; W_v]) gives the same Q, K, V as the separate products. ``one_product``: the module
         computed the one product (then the separate products are computed here to compare),
         else it computed the separate ones (then the stacked product is)."""
         query, key, value = inputs
         linears = (self.q_proj, self.k_proj, self.v_proj)
         stacked: tuple[int, ...]
         if key is query and value is query:
-            stacked, note = (0, 1, 2), _FUSED_QKV
+            stacked, fused_as = (0, 1, 2), "qkv"
         elif value is key and self.config.kdim == self.config.vdim:
-            stacked, note = (1, 2), _FUSED_KV
+            stacked, fused_as = (1, 2), "kv"
         else:
-            stacked, note = (), ""
+            stacked, fused_as = (), None
         if not all(isinstance(linears[i], nn.Linear) for i in stacked):
-            stacked, note = (), ""  # a replaced projection (an adapter, ...) is no longer one matrix
+            stacked, fused_as = (), None  # a replaced projection (an adapter, ...) is no longer one matrix
         other = {}
         if stacked:
             with torch.no_grad():
-                if fused:
+                if one_product:
                     other = {i: F.linear(inputs[i], linears[i].weight, linears[i].bias) for i in stacked}
                 else:
                     ws = [linears[i].weight for i in stacked]
@@ -580,8 +610,9 @@ class MultiHeadAttention(nn.Module):
             checks = {}
             if i in other:
                 checks["equals its own separate product"] = torch.allclose(other[i], t, rtol=1e-4, atol=1e-5)
-            tr.record(f"project {name}", t, None, ("b", "t", "d_out" if name == "Q" else "d_kv"),
-                      checks=checks, note=note if i in other else "")
+            tr.record(_steps.PROJECT, t, role=name, axes=("b", "t", "d_out" if name == "Q" else "d_kv"), checks=checks,
+                      params={"f_in": inputs[i].shape[-1], "bias": getattr(linears[i], "bias", None) is not None,
+                              "fused": fused_as if i in other else None})
 
     def _rotate(self, q, k, positions, tr, *, bound: Optional[int] = None) -> tuple:
         """q, k rotated (RoPE) for ``positions``: an int offset (tokens at offset, offset + 1, ...),
@@ -597,28 +628,31 @@ class MultiHeadAttention(nn.Module):
             q, k = rope(q, positions=positions), rope(k, positions=positions)
         else:
             q, k = rope(q, positions), rope(k, positions)
-        if tr is not None:  # the note is built only when recording (an f-string of a traced int breaks a graph)
+        if tr is not None:  # the params are read only when recording (an int of a traced tensor breaks a graph)
+            where: dict
             if bound is not None and isinstance(positions, torch.Tensor):
-                where = "positions from the cache" + (" (per row)" if positions.dim() == 2 else "")
+                where = {"positions": "cache", "per_row": positions.dim() == 2}
             elif isinstance(positions, torch.Tensor):
-                where = f"global positions of this shard ({positions.numel()} tokens)"
+                where = {"positions": "shard", "count": positions.numel()}
             else:
-                where = f"positions {positions}..{positions + q.shape[2] - 1}"
-            note = f"{where}, base {rope.base:g}, rotate-half layout"
-            tr.record("rotary position embedding", q, None, ("b", "h", "t", "d"), role="Q", note=note)
-            tr.record("rotary position embedding", k, None, ("b", "h", "t", "d"), role="K", note=note)
+                where = {"positions": "offset", "start": int(positions), "stop": int(positions) + q.shape[2] - 1}
+            params = {**where, "base": float(rope.base), "layout": "rotate-half"}
+            tr.record(_steps.ROPE, q, role="Q", params=params)
+            tr.record(_steps.ROPE, k, role="K", params=params)
         return q, k
 
     def _write_cache(self, cache: KVCache, k, v, m, tr) -> tuple:
         """k, v written to ``cache``; returns the keys (B, Hkv, Lk, D) and values to attend over,
         and ``m`` combined with the cache's mask (which keys each new token may see)."""
+        new = k.shape[2]
         k, v, cache_mask = cache._write(k, v)
         if cache_mask is not None:
             m = cache_mask if m is None else cache_mask & m
         if tr is not None:
-            note = f"{cache.length} of max_len={cache.max_len} tokens cached; {self.config.num_kv_heads} kv heads"
-            tr.record("append to the cache", k, None, ("b", "h", "t", "d"), role="K", note=note)
-            tr.record("append to the cache", v, None, ("b", "h", "t", "d"), role="V", note=note)
+            params = {"length": cache.length, "max_len": cache.max_len, "kv_heads": _resolved(self.config.num_kv_heads),
+                      "new": new}
+            tr.record(_steps.CACHE_APPEND, k, role="K", params=params)
+            tr.record(_steps.CACHE_APPEND, v, role="V", params=params)
         return k, v, m
 
     def _attend(self, q, k, v, m, return_weights: bool, tr) -> tuple:
@@ -634,7 +668,8 @@ class MultiHeadAttention(nn.Module):
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
         out = _linear(cast(nn.Module, self._modules["out_proj"]), _merge_heads(o, tr))
         if tr is not None:
-            tr.record("output projection", out, None, ("b", "t", "d_out"), note="W_O mixes the heads")
+            tr.record(_steps.OUTPUT_PROJECTION, out, params={
+                "f_in": o.shape[1] * o.shape[3], "bias": getattr(self.out_proj, "bias", None) is not None})
         return out
 
     # ------------------------------------------------------------------ conversions

@@ -68,6 +68,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import steps as _steps
 from .. import trace as _trace
 from .._checks import check_positive_int, check_qkv, check_scale
 from .._numerics import autocast_inputs, outside_autocast
@@ -641,13 +642,11 @@ def _backend_fn(q, k, v, mask, *, scale, dropout_p):
         groups = q.shape[1] // k.shape[1]
         bq, bk = default_block_q(groups), BLOCK_K
         total = math.ceil(q.shape[2] / bq) * math.ceil(k.shape[2] / bk)
-        tr.record(
-            "fused attention (scores, scale, mask, softmax, weights × V)", out,
-            "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
-            note=(f"multihead chunked online softmax, tiles of {bq} queries × {bk} keys: "
-                  f"{BLOCKS_COMPUTED['forward'] - before} computed of about {total} "
-                  "(tiles a causal/window mask hides are skipped)"),
-        )
+        tr.record(_steps.FUSED_ATTENTION, out, params={
+            "backend": "chunked", "block_q": bq, "block_k": bk,
+            "tiles_computed": BLOCKS_COMPUTED["forward"] - before, "tiles_total": total,
+            "lk": k.shape[2], "head_dim": q.shape[-1],
+        })
     return out
 
 
@@ -661,6 +660,11 @@ def _refuses(call: Call) -> Optional[str]:
         return ("inside torch.compile its tiles branch on the data (shifts redone, rows without a "
                 "visible key) and run on Python threads, which dynamo cannot trace; 'auto' runs sdpa "
                 "or reference there")
+    if call.mask is not None:
+        tiled = [repr(p) for p in call.mask.parts if p.is_score_mod or p.kind in ("sink", "alibi")]
+        if tiled:
+            return (f"its tiles do not apply {' & '.join(tiled)} yet (score mods, sinks and alibi); "
+                    "use backend='reference'")
     return None
 
 

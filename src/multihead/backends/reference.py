@@ -6,8 +6,10 @@ reading, not speed: it materialises the (B, H, Lq, Lk) scores. Equivalent code::
     k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)   # GQA: query head i reads kv head i // g
     scores = (q @ k.transpose(-2, -1)) * scale             # (B, H, Lq, Lk)
     scores = scores + bias                                  # float masks
+    scores = mod(scores)                                    # score mods (score_mod, softcap), in order
     scores = scores.masked_fill(~keep, -inf)                # bool masks: selection, not a big negative
-    weights = safe_softmax(scores)                          # a row with no visible key -> all 0
+    weights = safe_softmax(scores, sink)                    # a row with no visible key -> all 0;
+                                                            # a sink adds exp(sink_h) to each denominator
     weights = dropout(weights, dropout_p)
     out = weights @ v                                       # (B, H, Lq, Dv)
 
@@ -25,7 +27,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import steps as _steps
 from .. import trace as _trace
+from .._numerics import default_scale
 from ..heads import REPEAT_KV_PATTERN, repeat_kv
 from ..masks import Mask
 from . import Backend, Call, register
@@ -41,23 +45,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+def safe_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax over the last axis in which a row of only -inf gives zeros, not NaN.
 
-    NaN and +inf inputs propagate as IEEE arithmetic says.
+    ``sink`` (H,) adds ``exp(sink_h)`` to the denominator of every row of head h (scores
+    (B, H, Lq, Lk)). NaN and +inf inputs propagate as IEEE arithmetic says.
     """
     if scores.shape[-1] == 0:
         return scores.clone()
     row_max = scores.amax(dim=-1, keepdim=True).detach()
+    extra = None
+    if sink is not None:
+        extra = sink.to(scores.dtype).view(1, -1, 1, 1)
+        row_max = torch.maximum(row_max, extra.detach())
     row_max = torch.where(row_max == _NEG_INF, torch.zeros_like(row_max), row_max)
     e = torch.exp(scores - row_max)
     total = e.sum(dim=-1, keepdim=True)
+    if extra is not None:
+        total = total + torch.exp(extra - row_max)
     return e / torch.where(total == 0, torch.ones_like(total), total)
-
-
-def _mask_name(mask: Mask) -> str:
-    kinds = [p.kind for p in mask.parts if p.kind != "bias"]
-    return " & ".join(kinds) + " mask"
 
 
 def attention_probs(
@@ -68,39 +74,46 @@ def attention_probs(
     cdt = compute_dtype(q.dtype)
     scores = q.to(cdt) @ k.to(cdt).transpose(-2, -1)
     if tr is not None:
-        tr.record("scores QKᵀ", scores, SCORES_PATTERN, SCORE_AXES)
+        tr.record(_steps.SCORES, scores, params={"head_dim": q.shape[-1]})
     scores = scores * scale
     if tr is not None:
-        tr.record("scale", scores, None, SCORE_AXES, note=f"× {scale:.6g} (1/√D when D = {q.shape[-1]})")
+        tr.record(_steps.SCALE, scores, params={"scale": scale, "head_dim": q.shape[-1],
+                                                   "default": scale == default_scale(q.shape[-1])})
     keep = None
+    sink = None
     if mask is not None:
         mt = mask.materialize(tuple(scores.shape), device=scores.device, dtype=cdt)
         keep = mt.keep
+        sink = mask.sink_logits
         if mt.bias is not None:
             scores = scores + mt.bias
             if tr is not None:
-                tr.record("add bias", scores, None, SCORE_AXES)
+                tr.record(_steps.ADD_BIAS, scores)
+        if mask.score_mods:
+            scores = mask.apply_block(scores, 0, scores.shape[-2], 0, scores.shape[-1], tuple(scores.shape))
         if keep is not None:
             scores = scores.masked_fill(~keep, _NEG_INF)
             if tr is not None:
                 tr.record(
-                    _mask_name(mask), scores, None, SCORE_AXES,
+                    _steps.MASK, scores,
                     checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
-                    note=repr(mask), extras={"keep": keep},
+                    params={"kinds": _steps.selecting_kinds(mask.parts), "code": repr(mask)},
+                    extras={"keep": keep},
                 )
-    weights = safe_softmax(scores)
+    weights = safe_softmax(scores) if sink is None else safe_softmax(scores, sink)
     if tr is not None:
-        tr.record("softmax", weights, None, SCORE_AXES, checks=_softmax_checks(weights, scores))
+        tr.record(_steps.SOFTMAX, weights, checks=_softmax_checks(weights, scores, sink is not None))
     return weights
 
 
-def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor) -> dict[str, bool]:
+def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor, sink: bool = False) -> dict[str, bool]:
     blocked = scores == _NEG_INF
     visible_rows = ~blocked.all(dim=-1)
     sums = weights.sum(dim=-1)
     tol = 8 * torch.finfo(weights.dtype).eps * max(1, weights.shape[-1])
     checks = {
-        "rows sum to 1": bool(((sums - 1).abs() <= tol)[visible_rows].all()),
+        ("rows sum to at most 1 (a sink takes the rest)" if sink else "rows sum to 1"):
+            bool(((sums - 1 <= tol) if sink else ((sums - 1).abs() <= tol))[visible_rows].all()),
         "masked weights are exactly 0": bool((weights[blocked] == 0).all()),
     }
     if (~visible_rows).any():
@@ -124,17 +137,16 @@ def attend(
         src_k, src_v = k, v
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         if tr is not None:
-            tr.record("repeat kv heads", k, REPEAT_KV_PATTERN, ("b", "h", "t", "d"), source=src_k, role="K",
-                      note=f"each key/value head serves {groups} query heads")
-            tr.record("repeat kv heads", v, REPEAT_KV_PATTERN, ("b", "h", "t", "d"), source=src_v, role="V")
+            tr.record(_steps.REPEAT_KV, k, source=src_k, role="K", params={"groups": groups})
+            tr.record(_steps.REPEAT_KV, v, source=src_v, role="V", params={"groups": groups})
     weights = attention_probs(q, k, mask, scale=scale)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p, training=True)
         if tr is not None:
-            tr.record("dropout", weights, None, SCORE_AXES, note=f"p = {dropout_p}; kept weights scaled by 1/(1-p)")
+            tr.record(_steps.DROPOUT, weights, params={"p": dropout_p})
     out = weights @ v.to(weights.dtype)
     if tr is not None:
-        tr.record("weights × V", out, WEIGHTED_SUM_PATTERN, ("b", "h", "t", "d"))
+        tr.record(_steps.WEIGHTED_SUM, out, params={"lk": v.shape[2]})
     return out.to(q.dtype), weights.to(q.dtype)
 
 

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, split_additive
 from . import Backend, Call, register
@@ -184,19 +185,32 @@ def sdpa_attention(
     )
     tr = _trace.current()
     if tr is not None:
-        kernel = _kernel_name(q, k, v, attn_mask, dropout_p, is_causal)
-        how = "is_causal=True" if is_causal else ("no mask" if attn_mask is None else f"{attn_mask.dtype} mask tensor")
-        tr.record(
-            "fused attention (scores, scale, mask, softmax, weights × V)", out,
-            "b h q d, b h k d, b h k d -> b h q d", ("b", "h", "t", "d"),
-            note=f"torch scaled_dot_product_attention, {kernel} kernel, {how}",
-        )
+        tr.record(_steps.FUSED_ATTENTION, out, params={
+            "backend": "sdpa", "kernel": _kernel_name(q, k, v, attn_mask, dropout_p, is_causal),
+            "mask": "is_causal" if is_causal else ("none" if attn_mask is None else "tensor"),
+            "mask_dtype": None if attn_mask is None else str(attn_mask.dtype),
+            "lk": k.shape[2], "head_dim": q.shape[-1],
+        })
     return out
 
 
 def _refuses(call: Call) -> Optional[str]:
     if call.need_weights:
         return "it does not return the attention weights (only 'reference' does)"
+    return refuses_score_kinds(call.mask)
+
+
+def refuses_score_kinds(mask: Optional[Mask]) -> Optional[str]:
+    """Why SDPA cannot run ``mask``: it has score mods or a sink (SDPA adds one dense mask to
+    its scores and nothing else); None when it can."""
+    if mask is None:
+        return None
+    kinds = [repr(p) for p in mask.score_mods]
+    if mask.sink_logits is not None:
+        kinds.append(next(repr(p) for p in mask.parts if p.kind == "sink"))
+    if kinds:
+        return (f"torch's scaled_dot_product_attention cannot apply {' & '.join(kinds)} "
+                "(score mods and sinks change the softmax itself); use backend='chunked' or 'reference'")
     return None
 
 

@@ -1,5 +1,10 @@
 """``multihead explain``: the walkthrough (text/json/markdown), the visual formats, real models.
 
+``multihead.explain(module_or_trace, x, ...)`` is this package called as a function: the name
+is both the package and :func:`.explanation.explain` (importing a submodule such as
+``multihead.explain.visual`` makes ``multihead.explain`` the package, so the package itself is
+the callable). It is imported on first use: ``import multihead`` does not load it.
+
 Shared here: :class:`UsageError` (what the command line reports as one line, exit 2) and the
 ``--out`` handling every format uses: :func:`check_out` before any work, :func:`write_output`
 at the end. Imports point one way: the CLI imports this package, never the reverse.
@@ -7,11 +12,28 @@ at the end. Imports point one way: the CLI imports this package, never the rever
 
 from __future__ import annotations
 
+import sys
 import tempfile
+import types
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-__all__ = ["UsageError", "check_out", "write_output"]
+if TYPE_CHECKING:
+    from .explanation import Explanation
+
+__all__ = ["UsageError", "ExplainWarning", "check_out", "write_output"]
+
+
+class _ExplainPackage(types.ModuleType):
+    """The ``multihead.explain`` package, callable as :func:`.explanation.explain`."""
+
+    def __call__(self, source: Any, *inputs: Any, **options: Any) -> "Explanation":
+        from .explanation import explain
+
+        return explain(source, *inputs, **options)
+
+
+sys.modules[__name__].__class__ = _ExplainPackage
 
 
 class UsageError(ValueError):
@@ -19,6 +41,11 @@ class UsageError(ValueError):
 
     A ValueError for Python callers; ``multihead`` prints its message as one line and exits 2.
     """
+
+
+class ExplainWarning(UserWarning):
+    """Something the explanation shows that the user may not expect (a sentence the model's
+    vocabulary cannot represent, ...). ``multihead`` prints it as one line on stderr."""
 
 
 def check_out(path: Optional[str], stdout=None, *, binary: bool = False) -> Optional[Path]:

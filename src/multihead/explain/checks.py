@@ -14,13 +14,14 @@ Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, cast
 
 import torch
 
 from .._numerics import default_scale
-from ..trace import Trace
+from .. import steps as _steps
+from ..trace import Step, Trace
 
 __all__ = [
     "Check",
@@ -42,11 +43,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Check:
-    """One named check on one step (``step`` is the step's label)."""
+    """One named check on one step: ``step`` is the step's label, ``source`` the step itself
+    (what the renderers title it by), ``name`` a key of :data:`multihead.steps.CHECKS`."""
 
     step: str
     name: str
     ok: bool
+    source: Optional[Step] = field(default=None, compare=False, repr=False)
 
 
 def _floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -196,11 +199,9 @@ def per_head_difference(mha, inputs: tuple) -> tuple[float, float, bool]:
     return _max_abs_diff(fused, separate), 2 * tol, ok_fused and ok_separate
 
 
-def _find(trace: Trace, label: str):
-    for s in trace.steps:
-        if s.label == label:
-            return s
-    return None
+def _find(trace: Trace, kind: _steps.StepKind, role: str = ""):
+    found = trace.select(kind, role=role or None)
+    return found[0] if found else None
 
 
 def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
@@ -212,42 +213,43 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
         raise ValueError("walkthrough_checks needs the step values: record with multihead.trace(keep_values=True)")
     # from here on every step's tensor is set (the casts below rely on this check)
     found: list[Check] = []
-    q = _find(trace, "move heads forward Q")
-    k = _find(trace, "repeat kv heads K") or _find(trace, "move heads forward K")
-    v = _find(trace, "repeat kv heads V") or _find(trace, "move heads forward V")
-    scores = _find(trace, "scores QKᵀ")
-    scaled = _find(trace, "scale")
-    softmax = _find(trace, "softmax")
-    dropout = _find(trace, "dropout")
-    weighted = _find(trace, "weights × V")
-    merged = _find(trace, "merge heads")
-    out = _find(trace, "output projection")
-    masked = next((s for s in steps if "keep" in s.extras), None)
+    q = _find(trace, _steps.ROPE, "Q") or _find(trace, _steps.MOVE_HEADS_FORWARD, "Q")
+    k = (_find(trace, _steps.REPEAT_KV, "K") or _find(trace, _steps.CACHE_APPEND, "K")
+         or _find(trace, _steps.ROPE, "K") or _find(trace, _steps.MOVE_HEADS_FORWARD, "K"))
+    v = _find(trace, _steps.REPEAT_KV, "V") or _find(trace, _steps.CACHE_APPEND, "V") or _find(trace, _steps.MOVE_HEADS_FORWARD, "V")
+    scores = _find(trace, _steps.SCORES)
+    scaled = _find(trace, _steps.SCALE)
+    softmax = _find(trace, _steps.SOFTMAX)
+    dropout = _find(trace, _steps.DROPOUT)
+    weighted = _find(trace, _steps.WEIGHTED_SUM)
+    merged = _find(trace, _steps.MERGE_HEADS)
+    out = _find(trace, _steps.OUTPUT_PROJECTION)
+    masked = _find(trace, _steps.MASK)
+    add_bias = _find(trace, _steps.ADD_BIAS)
 
     if q and k and scores:
-        found.append(Check(scores.label, "equals Q·Kᵀ in float64", check_scores(q.tensor, k.tensor, scores.tensor)))
+        found.append(Check(scores.label, "equals Q·Kᵀ in float64", check_scores(q.tensor, k.tensor, scores.tensor), scores))
     if scores and scaled:
-        found.append(Check(scaled.label, "is exactly scores × 1/√D", check_scale(scores.tensor, scaled.tensor, c.head_dim)))
+        found.append(Check(scaled.label, "is exactly scores × 1/√D", check_scale(scores.tensor, scaled.tensor, c.head_dim), scaled))
     before_mask = scaled
     if masked is not None and before_mask is not None:
-        add_bias = _find(trace, "add bias")
         before_mask = add_bias or scaled
         keep = masked.extras["keep"]
-        found.append(Check(masked.label, "visible scores unchanged", check_mask(before_mask.tensor, cast(torch.Tensor, masked.tensor), keep)))
-        if masked.name == "causal mask":
+        found.append(Check(masked.label, "visible scores unchanged", check_mask(before_mask.tensor, cast(torch.Tensor, masked.tensor), keep), masked))
+        if tuple(masked.params["kinds"]) == ("causal",):
             lq, lk = masked.shape[-2:]
-            found.append(Check(masked.label, "mask is triu(ones, diagonal=1 + Lk - Lq) flipped", check_causal_keep(keep, lq, lk)))
-    last_scores = masked or _find(trace, "add bias") or scaled
+            found.append(Check(masked.label, "mask is triu(ones, diagonal=1 + Lk - Lq) flipped", check_causal_keep(keep, lq, lk), masked))
+    last_scores = masked or add_bias or scaled
     if last_scores and softmax:
-        found.append(Check(softmax.label, "equals softmax in float64", check_softmax(cast(torch.Tensor, last_scores.tensor), softmax.tensor)))
+        found.append(Check(softmax.label, "equals softmax in float64", check_softmax(cast(torch.Tensor, last_scores.tensor), softmax.tensor), softmax))
     if softmax and dropout:
-        found.append(Check(dropout.label, "each weight is 0 or weight / (1 - p)", check_dropout(softmax.tensor, dropout.tensor, c.dropout)))
+        found.append(Check(dropout.label, "each weight is 0 or weight / (1 - p)", check_dropout(softmax.tensor, dropout.tensor, c.dropout), dropout))
     applied = dropout or softmax
     if applied and v and weighted:
-        found.append(Check(weighted.label, "equals weights × V in float64", check_weighted_sum(applied.tensor, v.tensor, weighted.tensor)))
+        found.append(Check(weighted.label, "equals weights × V in float64", check_weighted_sum(applied.tensor, v.tensor, weighted.tensor), weighted))
     if merged and out:
-        found.append(Check(out.label, "equals merged × W_Oᵀ in float64", check_output_projection(merged.tensor, out.tensor, mha.out_proj)))
+        found.append(Check(out.label, "equals merged × W_Oᵀ in float64", check_output_projection(merged.tensor, out.tensor, mha.out_proj), out))
     if out:
         dropout_keep = (dropout.tensor != 0) if dropout else None
-        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=dropout_keep)[0]))
+        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=dropout_keep)[0], out))
     return found

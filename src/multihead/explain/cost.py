@@ -1,9 +1,10 @@
 """FLOPs and bytes of every traced step, and the seeds' argument about head counts.
 
-Counting rules: a multiply-add is 2 FLOPs; an element-wise op is 1 FLOP per element (softmax
-counts 5: max, subtract, exp, sum, divide); masking is a select, 0 FLOPs. Bytes are what a
-step reads plus what it writes, at the step's element size; a view reads and writes nothing.
-These are the textbook counts of the reference backend's ops, not measurements.
+Counting rules, one per step kind (:data:`multihead.steps.COST_RULES`): a multiply-add is 2
+FLOPs; an element-wise op is 1 FLOP per element (softmax counts 5: max, subtract, exp, sum,
+divide); masking is a select, 0 FLOPs. Bytes are what a step reads plus what it writes, at the
+step's element size; a view reads and writes nothing. These are the textbook counts of the
+ops, not measurements.
 
 The argument (tutorial 002): with h heads of d_model/h, the score products cost
 2·B·Lq·Lk·d_model (QKᵀ) + 2·B·Lq·Lk·d_model (weights × V) whatever h is; only the number of
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from .. import steps as _steps
+from ..steps import COST_RULES
 from ..trace import Step, Trace
 
-__all__ = ["StepCost", "AttentionCost", "trace_cost", "attention_cost", "head_count_table"]
+__all__ = ["StepCost", "AttentionCost", "step_cost", "trace_cost", "attention_cost", "head_count_table"]
 
 
 @dataclass(frozen=True)
@@ -39,60 +43,75 @@ def _itemsize(step: Step) -> int:
     return torch.empty((), dtype=getattr(torch, step.dtype or "float32")).element_size()
 
 
-def trace_cost(trace: Trace) -> list[StepCost]:
-    """The cost of every step of a multihead trace of ``MultiHeadAttention``'s forward pass.
+def step_cost(step: Step, score_shape: Optional[tuple[int, ...]] = None) -> tuple[int, int]:
+    """``(FLOPs, bytes)`` of one recorded step, by its kind's cost rule
+    (:data:`multihead.steps.COST_RULES`), from the step's shape and params.
 
-    Needs the trace's config (``d_in``, ``kdim``, ``head_dim``, ``bias``), which the module records.
+    score_shape: (B, H, Lq, Lk) of the scores before a ``weighted_sum`` step, when the step does
+    not record its key length.
     """
-    cfg = trace.config
-    costs = []
-    score_shape: tuple[int, ...] | None = None  # (B, H, Lq, Lk), for the steps after the scores
-    for s in trace.steps:
-        n = math.prod(s.shape)
-        size = _itemsize(s)
-        flops = moved = 0
-        name = s.name
-        if name == "input":
-            pass
-        elif name.startswith("project "):
-            f_in = cfg["d_in"] if s.label == "project Q" else cfg["kdim"]
-            tokens_out = n // s.shape[-1]
-            flops = 2 * n * f_in + (n if cfg.get("bias") else 0)
-            w = f_in * s.shape[-1] + (s.shape[-1] if cfg.get("bias") else 0)
-            moved = (tokens_out * f_in + w + n) * size
-        elif s.view:
-            moved = 0
-        elif name == "repeat kv heads" or name == "merge heads":
-            moved = 2 * n * size
-        elif name == "scores QKᵀ":
-            score_shape = s.shape
-            d = cfg["head_dim"]
-            B, H, Lq, Lk = s.shape
-            flops = 2 * n * d
-            moved = (B * H * Lq * d + B * H * Lk * d + n) * size
-        elif name in ("scale", "add bias", "dropout"):
-            flops = n
-            moved = (2 if name == "scale" else 3) * n * size
-        elif name.endswith(" mask"):
-            moved = 2 * n * size + n  # scores in and out, one bool per score
-        elif name == "softmax":
-            flops = 5 * n
-            moved = 2 * n * size
-        elif name == "weights × V":
-            if score_shape is None:  # the reference backend records the scores before this step
-                raise ValueError(f"trace_cost found {s.label!r} before the scores step; trace a whole forward pass")
-            B, H, Lq, Lk = score_shape
-            flops = 2 * B * H * Lq * Lk * s.shape[-1]
-            moved = (B * H * Lq * Lk + B * H * Lk * s.shape[-1] + n) * size
-        elif name == "output projection":
-            d = s.shape[-1]
-            flops = 2 * n * d + (n if cfg.get("bias") else 0)
-            moved = (n + d * d + (d if cfg.get("bias") else 0) + n) * size
+    n = math.prod(step.shape)
+    size = _itemsize(step)
+    p = step.params
+    rule = step.kind.cost
+    if rule in ("none", "view"):
+        return 0, 0
+    if rule == "linear":
+        f_in, f_out = p["f_in"], step.shape[-1]
+        bias = 1 if p.get("bias") else 0
+        tokens = n // f_out
+        return 2 * n * f_in + bias * n, (tokens * f_in + f_in * f_out + bias * f_out + n) * size
+    if rule == "copy":
+        return 0, 2 * n * size
+    if rule == "cache":
+        B, H, _, D = step.shape
+        return 0, 2 * B * H * p["new"] * D * size
+    if rule == "rope":
+        _, _, L, D = step.shape
+        return 3 * n, (2 * n + 2 * L * D) * size
+    if rule == "scores":
+        B, H, Lq, Lk = step.shape
+        d = p["head_dim"]
+        return 2 * n * d, (B * H * Lq * d + B * H * Lk * d + n) * size
+    if rule == "scale":
+        return n, 2 * n * size
+    if rule in ("add", "dropout"):
+        return n, 3 * n * size
+    if rule == "score_mod":
+        return n * len(p["kinds"]), 2 * n * size
+    if rule == "select":
+        return 0, 2 * n * size + n
+    if rule == "softmax":
+        return 5 * n, 2 * n * size
+    if rule == "weighted_sum":
+        B, H, Lq, Dv = step.shape
+        if "lk" in p:
+            Lk = p["lk"]
+        elif score_shape is not None:
+            Lk = score_shape[-1]
         else:
-            raise ValueError(
-                f"trace_cost counts the reference backend's steps and does not know {s.label!r}; "
-                'trace a module built with backend="reference"'
-            )
+            raise ValueError(f"the step {step.label!r} records no key length and no scores came before it")
+        return 2 * B * H * Lq * Lk * Dv, (B * H * Lq * Lk + B * H * Lk * Dv + n) * size
+    if rule == "fused":
+        B, H, Lq, Dv = step.shape
+        Lk, d = p["lk"], p["head_dim"]
+        scores = B * H * Lq * Lk
+        return 2 * scores * d + 2 * scores * Dv + 6 * scores, (B * H * Lq * d + B * H * Lk * (d + Dv) + n) * size
+    raise ValueError(f"no cost rule {rule!r} (step kind {step.kind.id!r}); the rules are {sorted(COST_RULES)}")
+
+
+def trace_cost(trace: Trace) -> list[StepCost]:
+    """The cost of every step of a multihead trace, by the step kinds' cost rules.
+
+    A fused backend's single step is counted as the reference's arithmetic without the score
+    matrix's round trips (see :data:`multihead.steps.COST_RULES`).
+    """
+    costs = []
+    score_shape: Optional[tuple[int, ...]] = None  # (B, H, Lq, Lk), for the steps after the scores
+    for s in trace.steps:
+        if s.kind is _steps.SCORES:
+            score_shape = s.shape
+        flops, moved = step_cost(s, score_shape)
         costs.append(StepCost(s.label, int(flops), int(moved)))
     return costs
 

@@ -24,12 +24,11 @@ from typing import Optional
 import torch
 
 from .._checks import check_dropout, check_positive_int
-from . import UsageError
 from ..module import MultiHeadAttention
 from ..trace import Trace, trace
 
 __all__ = ["ExampleConfig", "Limits", "LIMITS", "MAX_BATCH", "MAX_HEADS", "MAX_FEATURES",
-           "build_example", "config_from_args", "trace_example"]
+           "build_example", "check_heads", "trace_example"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,10 @@ class ExampleConfig:
     causal, seed 42, projections without bias.
 
     kv_heads: Hkv (None = heads; fewer = grouped-query attention). keys: Lk for cross-attention
-    from a second input of that many tokens (None = self-attention, Lk = tokens). dropout: on
-    the attention weights; the module then runs in training mode.
+    from a second input of that many tokens (None = self-attention, Lk = tokens). causal: None
+    (the default) is causal for self-attention and not for cross-attention, where the keys are
+    another sequence; True or False says so. dropout: on the attention weights; the module
+    then runs in training mode. A size the module refuses raises ValueError naming the field.
     """
 
     batch: int = 2
@@ -82,7 +83,7 @@ class ExampleConfig:
     heads: int = 2
     kv_heads: Optional[int] = None
     keys: Optional[int] = None
-    causal: bool = True
+    causal: Optional[bool] = None
     seed: int = 42
     dropout: float = 0.0
     bias: bool = False
@@ -95,15 +96,11 @@ class ExampleConfig:
                 check_positive_int(getattr(self, name), name)
         check_positive_int(self.seed, "seed", allow_zero=True)
         object.__setattr__(self, "dropout", check_dropout(self.dropout, "dropout"))
-
-    @classmethod
-    def from_args(cls, args) -> "ExampleConfig":
-        """From the parsed ``multihead explain`` options."""
-        return cls(
-            batch=args.batch, tokens=args.tokens, d_in=args.d_in, d_out=args.d_out, heads=args.heads,
-            kv_heads=args.kv_heads, keys=args.keys, causal=args.causal, seed=args.seed,
-            dropout=args.dropout,
-        )
+        if self.causal is None:
+            object.__setattr__(self, "causal", self.keys is None)
+        elif not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be True, False or None, got {self.causal!r}")
+        check_heads(self.heads, self.d_out, self.kv_heads)
 
     @property
     def key_tokens(self) -> int:
@@ -136,25 +133,21 @@ class ExampleConfig:
         return f"mha = MultiHeadAttention({', '.join(args)}); y = {call}"
 
 
-def config_from_args(args) -> ExampleConfig:
-    """The example config of the parsed ``multihead explain`` options, checked before any work:
-    a size the module refuses raises :class:`UsageError` naming the options."""
-    if args.d_out % args.heads:
-        raise UsageError(
-            f"--heads {args.heads} does not divide --d-out {args.d_out}: choose --d-out as a multiple "
-            f"of --heads (each head gets d_out / heads features)"
+def check_heads(heads: int, d_out: int, kv_heads: Optional[int], names: Optional[dict[str, str]] = None) -> None:
+    """Raise ValueError when ``heads`` does not divide ``d_out`` or ``kv_heads`` does not divide
+    ``heads``. ``names``: how the message calls each field (the command line passes its flags,
+    ``{"heads": "--heads", ...}``); by default the field names."""
+    n = {"heads": "heads", "d_out": "d_out", "kv_heads": "kv_heads", **(names or {})}
+    if d_out % heads:
+        raise ValueError(
+            f"{n['heads']} {heads} does not divide {n['d_out']} {d_out}: choose {n['d_out']} as a multiple "
+            f"of {n['heads']} (each head gets d_out / heads features)"
         )
-    if args.kv_heads is not None and args.heads % args.kv_heads:
-        raise UsageError(
-            f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each key/value head "
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(
+            f"{n['kv_heads']} {kv_heads} does not divide {n['heads']} {heads}: each key/value head "
             "must serve the same number of query heads"
         )
-    try:
-        config = ExampleConfig.from_args(args)
-        build_example(config)  # the module validates everything else: fail before any output
-    except (ValueError, TypeError) as e:
-        raise UsageError(str(e)) from None
-    return config
 
 
 def build_example(config: ExampleConfig = ExampleConfig()) -> tuple[MultiHeadAttention, tuple]:
@@ -173,7 +166,7 @@ def build_example(config: ExampleConfig = ExampleConfig()) -> tuple[MultiHeadAtt
     with torch.random.fork_rng(devices=[]):
         mha = MultiHeadAttention(
             c.d_in, c.heads, c.d_out, num_kv_heads=c.kv_heads, bias=c.bias, dropout=c.dropout,
-            causal=c.causal, backend="reference",
+            causal=bool(c.causal), backend="reference",
         )
         torch.manual_seed(c.seed)
         x = torch.randn(c.batch, c.tokens, c.d_in)

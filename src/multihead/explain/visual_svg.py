@@ -43,9 +43,6 @@ def step_kind(step) -> str:
 def _role(step) -> str:
     if step.role in ("Q", "K", "V"):
         return step.role
-    for r in ("Q", "K", "V"):
-        if step.name.endswith(" " + r):
-            return r
     if step.axes[-2:] == ("q", "k"):
         return "scores"
     return ""

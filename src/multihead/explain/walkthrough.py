@@ -24,12 +24,13 @@ from typing import Optional
 import torch
 
 from . import check_out, write_output
-from ..config import _resolved
 from ..module import MultiHeadAttention
 from ..trace import Step, Trace
 from . import cost as _cost
 from .checks import Check, per_head_difference, walkthrough_checks
-from .example import ExampleConfig, build_example, config_from_args, run_example, trace_example
+from .example import ExampleConfig, build_example, run_example, trace_example
+from .options import Options
+from .. import steps as S
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 
 __all__ = [
@@ -62,10 +63,14 @@ class PerHead:
 
 @dataclass
 class Walkthrough:
-    """Everything one ``multihead explain`` run computed."""
+    """Everything one ``multihead explain`` run computed.
 
-    config: ExampleConfig
-    module: MultiHeadAttention
+    config: the example that was built, or None for a trace of the user's own module (the
+    summary is then read from the trace). module / inputs: what ran, when known.
+    """
+
+    config: Optional[ExampleConfig]
+    module: Optional[MultiHeadAttention]
     inputs: tuple
     trace: Trace
     output: torch.Tensor
@@ -76,10 +81,11 @@ class Walkthrough:
     @property
     def checks(self) -> list[Check]:
         """The forward pass's own checks, then explain's, then the per-head comparison."""
-        own = [Check(s.label, name, ok) for s in self.trace.steps for name, ok in s.checks.items()]
+        own = [Check(s.label, name, ok, s) for s in self.trace.steps for name, ok in s.checks.items()]
         found = own + list(self.extra_checks)
         if self.per_head is not None:
-            found.append(Check("output projection", "per-head reference equals the fused module", self.per_head.ok))
+            out = self.trace.select(S.OUTPUT_PROJECTION)[-1]
+            found.append(Check(out.label, "per-head reference equals the fused module", self.per_head.ok, out))
         return found
 
     @property
@@ -183,25 +189,26 @@ def step_blocks(step: Step, w: Walkthrough, lang: str) -> list[Block]:
     t = step.tensor
     if t is None:
         return []
-    name = step.name
-    if name in ("input", "project Q", "project K", "project V", "output projection"):
+    kind = step.kind
+    if kind in (S.INPUT, S.PROJECT, S.OUTPUT_PROJECTION):
         return [Block(word("batch0", lang), t[0], "t")]
-    if name == "split heads":
+    if kind is S.SPLIT_HEADS:
         return [Block(word("token0", lang), t[0, 0], word("head", lang) + " ")]
-    if name == "move heads forward":
+    if kind in (S.MOVE_HEADS_FORWARD, S.ROPE, S.CACHE_APPEND, S.REPEAT_KV):
         return [Block(word("rows_tokens", lang), t[0, 0], "t")]
-    if name in ("scores QKᵀ", "scale", "add bias"):
+    if kind in (S.SCORES, S.SCALE, S.ADD_BIAS, S.SCORE_MOD):
         return [Block(word("rows_queries", lang), t[0, 0], "q")]
-    if "keep" in step.extras:
+    if kind is S.MASK:
         keep = step.extras["keep"].expand(t.shape)[0, 0].to(torch.int64)
         return [Block(word("mask01", lang), keep, "q", integer=True), Block(word("masked_scores", lang), t[0, 0], "q")]
-    if name in ("softmax", "dropout"):
+    if kind in (S.SOFTMAX, S.DROPOUT):
         return [Block(word("rows_weights", lang), t[0, 0], "q", row_sums=True)]
-    if name == "weights × V":
+    if kind in (S.WEIGHTED_SUM, S.FUSED_ATTENTION):
         return [Block(word("rows_out", lang), t[0, 0], "q")]
-    if name == "merge heads":
-        D = w.module.config.head_dim
-        heads = w.module.config.num_heads
+    if kind is S.MERGE_HEADS:
+        sizes = trace_sizes(w.trace, step)
+        D = sizes.get("D", 1)
+        heads = sizes.get("H", step.shape[-1] // D)
         shown = [i for i in _pick_indices(heads, 4)]
         ranges = ", ".join("…" if i is None else f"{i}: {i * D}-{i * D + D - 1}" for i in shown)
         return [Block(word("merged_cols", lang, ranges=ranges), t[0], "t")]
@@ -247,31 +254,50 @@ class _Style:
 
 
 def _meaning(step: Step, w: Walkthrough, lang: str) -> str:
-    text = describe_step(step, lang, w.sizes())
-    note = note_text(step.note, lang)
-    first = "project K" if step.note.startswith("K and V") else "project Q"
-    if note and step.label == first:  # said once, at the first step it concerns
-        text = f"{text} {note}" if lang == "en" else text + note
+    text = describe_step(step, lang, trace_sizes(w.trace, step))
+    if step.kind is S.PROJECT:  # a fused product is said once, at the first step it concerns
+        first = "K" if step.params.get("fused") == "kv" else "Q"
+        note = note_text(step, lang) if step.role == first else ""
+    elif step.kind is S.MASK:
+        note = ""  # the mask's code: shown as code, not prose
+    else:
+        note = note_text(step, lang)
+    if note:
+        sep = " " if lang == "en" else ""
+        end = "." if lang == "en" else "。"
+        text = f"{text}{sep}{note[0].upper() + note[1:] if lang == 'en' else note}{end}" if text else note
     return text
 
 
+def _module_code(w: Walkthrough) -> str:
+    """The traced module as one line of code, or "" when the walkthrough has none."""
+    if w.module is None:
+        return ""
+    return f"{type(w.module).__name__}({w.module.config.summary()})"
+
+
 def _summary_lines(w: Walkthrough, lang: str) -> list[tuple[str, str]]:
-    c, s = w.config, w.sizes()
-    parts = [word("sizes", lang, **s)]
-    if c.num_kv_heads != c.heads:
+    c, s, cfg = w.config, w.sizes(), w.trace.config
+    parts = [word("sizes", lang, **s)] if "H" in s and "B" in s else []
+    if s.get("Hkv", s.get("H")) != s.get("H"):
         parts.append(word("kv_heads", lang, **s))
-    if c.keys is not None:
+    if c is not None and c.keys is not None:
         parts.append(word("cross", lang, **s))
-    if c.causal:
+    if cfg.get("causal"):
         parts.append(word("causal", lang))
-    if c.dropout:
+    if s.get("p") and (w.module is None or w.module.training):
         parts.append(word("dropout", lang, **s))
-    parts.append(word("seed", lang, seed=c.seed))
+    if c is not None:
+        parts.append(word("seed", lang, seed=c.seed))
     sep = ", " if lang == "en" else "，"
-    return [
-        (word("example", lang), sep.join(parts)),
-        (word("code", lang), c.module_call()),
-        (word("backend", lang), word("backend_line", lang)),
+    backend = cfg.get("backend", "reference")
+    lines = [(word("example", lang), sep.join(parts))] if parts else []
+    code = c.module_call() if c is not None else _module_code(w)
+    if code:
+        lines.append((word("code", lang), code))
+    return lines + [
+        (word("backend", lang), word("backend_line", lang) if backend == "reference"
+         else word("backend_fused_line", lang, backend=backend)),
         (word("axes", lang), word("axes_line", lang)),
     ]
 
@@ -289,12 +315,12 @@ def render_text(w: Walkthrough, *, lang: str = "en", values: bool = True, color:
         out.extend(_wrap(text, " " * key_w, first=_pad(key + ":", key_w)))
     steps = w.trace.steps
     num_w = len(str(len(steps)))
-    title_w = min(34, max(_width(step_title(s.name, s.role, lang)) for s in steps) + 2)
+    title_w = min(34, max(_width(step_title(s, lang)) for s in steps) + 2)
     for i, s in enumerate(steps, 1):
         out.append("")
-        head = f"{str(i).rjust(num_w)}. " + _pad(step_title(s.name, s.role, lang), title_w)
+        head = f"{str(i).rjust(num_w)}. " + _pad(step_title(s, lang), title_w)
         shape = _shape_text(s)
-        kind = "" if s.name == "input" else word("view", lang) if s.view else word("copy", lang)
+        kind = "" if s.kind is S.INPUT else word("view", lang) if s.view else word("copy", lang)
         line = st.bold(head) + _pad(shape, 24) + " " + kind
         if _width(head + _pad(shape, 24) + " " + kind) > WIDTH:
             out.append(st.bold(head.rstrip()))
@@ -310,7 +336,7 @@ def render_text(w: Walkthrough, *, lang: str = "en", values: bool = True, color:
     if w.per_head is not None:
         out += ["", st.bold(word("per_head", lang))]
         out += _wrap(word("per_head_line", lang, **w.sizes()), "  ")
-        if w.config.dropout:
+        if w.sizes().get("p"):
             out += _wrap(word("per_head_eval", lang), "  ")
         out.append("  " + word("max_diff", lang, diff=w.per_head.max_diff, tol=w.per_head.tolerance))
     if w.costs is not None:
@@ -339,25 +365,33 @@ def _cost_lines(w: Walkthrough, costs: list, lang: str) -> list[str]:
     lines = _wrap(word("cost_note", lang, dtype=w.output.dtype).replace("torch.", ""), "  ")
     rows: list[tuple] = [(word("cost_step", lang), word("flops", lang), word("bytes", lang))]
     for s, c in zip(w.trace.steps, costs):
-        rows.append((step_title(s.name, s.role, lang), f"{c.flops:,}", f"{c.bytes:,}"))
+        rows.append((step_title(s, lang), f"{c.flops:,}", f"{c.bytes:,}"))
     rows.append((word("total", lang), f"{sum(c.flops for c in costs):,}", f"{sum(c.bytes for c in costs):,}"))
     lines += _table(rows, {1, 2})
-    c, mc = w.config, w.module.config
-    d_out = _resolved(mc.d_out)
-    lines += [""] + _wrap(word("heads_table", lang, Lq=c.tokens, Lk=c.key_tokens, d_out=d_out), "  ")
-    table = _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, d_out, bias=mc.bias)
+    table = _head_counts(w)
+    if table is None:
+        return lines
+    sz = w.sizes()
+    lines += [""] + _wrap(word("heads_table", lang, Lq=sz["Lq"], Lk=sz["Lk"], d_out=sz["d_out"]), "  ")
     rows = [tuple(word(k, lang) for k in ("heads_col", "hd_col", "attn_col", "proj_col", "total_col", "scores_col"))]
     for a in table:
         rows.append((a.heads, a.head_dim, f"{a.attention:,}", f"{a.projections:,}", f"{a.total:,}", f"{a.score_elements:,}"))
     lines += _table(rows, {0, 1, 2, 3, 4, 5})
-    core = 4 * c.batch * c.tokens * c.key_tokens * d_out
+    core = 4 * sz["B"] * sz["Lq"] * sz["Lk"] * sz["d_out"]
     lines += _wrap(word("heads_conclusion", lang, core=f"{core:,}"), "  ")
     return lines
 
 
+def _head_counts(w: Walkthrough) -> Optional[list]:
+    """The seeds' head-count table for the traced sizes, or None when the trace has no module config."""
+    s = w.sizes()
+    if not all(k in s for k in ("B", "Lq", "Lk", "d_in", "d_out")):
+        return None
+    return _cost.head_count_table(s["B"], s["Lq"], s["Lk"], s["d_in"], s["d_out"], bias=bool(w.trace.config.get("bias")))
+
+
 def _check_text(c: Check, w: Walkthrough, lang: str) -> str:
-    step = next((s for s in w.trace.steps if s.label == c.step), None)
-    title = step_title(step.name, step.role, lang) if step is not None else c.step
+    title = step_title(c.source, lang) if c.source is not None else c.step
     return f"{title}: {check_name(c.name, lang)}"
 
 
@@ -387,17 +421,17 @@ def render_markdown(w: Walkthrough, *, lang: str = "en", values: bool = True) ->
     for i, s in enumerate(steps, 1):
         pattern = f"`{s.pattern}`" if s.pattern else ""
         view = word("yes", lang) if s.view else word("no", lang)
-        out.append(f"| {i} | {step_title(s.name, s.role, lang)} | {_shape_text(s)} | {pattern} | {view} |")
+        out.append(f"| {i} | {step_title(s, lang)} | {_shape_text(s)} | {pattern} | {view} |")
     out += ["", f"## {word('meaning', lang)}", ""]
     for i, s in enumerate(steps, 1):
-        out.extend(_wrap(_meaning(s, w, lang), "   ", first=f"{i}. **{step_title(s.name, s.role, lang)}**: "))
+        out.extend(_wrap(_meaning(s, w, lang), "   ", first=f"{i}. **{step_title(s, lang)}**: "))
     if values:
         out += ["", f"## {word('values', lang)} ({word('values_line', lang)})"]
         for i, s in enumerate(steps, 1):
             blocks = step_blocks(s, w, lang)
             if not blocks:
                 continue
-            out += ["", f"{i}. **{step_title(s.name, s.role, lang)}**", "", "```text"]
+            out += ["", f"{i}. **{step_title(s, lang)}**", "", "```text"]
             for b in blocks:
                 out.extend(_block_lines(b, "", lang))
             out.append("```")
@@ -430,20 +464,19 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
     every check, the per-head comparison and the cost when they were computed. Valid JSON."""
     data = w.trace.to_dict()
     for s, d in zip(w.trace.steps, data["steps"]):
-        d["title"] = step_title(s.name, s.role, lang)
+        d["title"] = step_title(s, lang)
         d["meaning"] = _meaning(s, w, lang)
         if values:
             d["values"] = [{"caption": b.caption, "row_label": b.row_label, "matrix": _jsonable(b.matrix)}
                            for b in step_blocks(s, w, lang)]
-    data["example"] = w.config.to_dict()
-    data["code"] = w.config.module_call()
+    data["example"] = w.config.to_dict() if w.config is not None else None
+    data["code"] = w.config.module_call() if w.config is not None else (_module_code(w) or None)
     data["lang"] = lang
     data["checks"] = [{"step": c.step, "name": c.name, "text": _check_text(c, w, lang), "ok": c.ok} for c in w.checks]
     data["all_checks_hold"] = w.all_checks_hold
     if w.per_head is not None:
         data["per_head"] = {"max_abs_diff": w.per_head.max_diff, "tolerance": w.per_head.tolerance, "ok": w.per_head.ok}
     if w.costs is not None:
-        c, mc = w.config, w.module.config
         data["cost"] = {
             "steps": [{"step": x.label, "flops": x.flops, "bytes": x.bytes} for x in w.costs],
             "total_flops": sum(x.flops for x in w.costs),
@@ -451,26 +484,33 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
             "head_counts": [
                 {"heads": a.heads, "head_dim": a.head_dim, "attention_flops": a.attention,
                  "projection_flops": a.projections, "total_flops": a.total, "score_elements": a.score_elements}
-                for a in _cost.head_count_table(c.batch, c.tokens, c.key_tokens, mc.d_in, _resolved(mc.d_out), bias=mc.bias)
+                for a in _head_counts(w) or []
             ],
         }
     return json.dumps(data, ensure_ascii=False, indent=1, allow_nan=False) + "\n"
 
 
 # ---------------------------------------------------------------------------------- CLI entry
-def run(args, stdout) -> int:
-    """``multihead explain`` for the text, json and markdown formats. Returns the exit code:
-    0 when every check held, 1 when one failed; a bad option raises UsageError (exit 2)."""
-    config = config_from_args(args)
-    out = check_out(args.out)
-    w = explain(config, per_head=args.per_head, cost=args.cost)
-    if args.format == "json":
-        text = render_json(w, lang=args.lang, values=args.values)
-    elif args.format == "markdown":
-        text = render_markdown(w, lang=args.lang, values=args.values)
+def run(options: Options, stdout) -> int:
+    """``multihead explain`` for the text, json and markdown formats of ``options.example``.
+    Returns the exit code: 0 when every check held, 1 when one failed. An ``out`` that cannot
+    be written raises UsageError (a ValueError) before any work."""
+    if not isinstance(options, Options):
+        raise TypeError(f"options must be a multihead.explain.options.Options, got {type(options).__name__} "
+                        "(multihead.cli.parse_options builds one from command-line flags)")
+    if options.format not in ("text", "json", "markdown"):
+        raise ValueError(f"the walkthrough writes text, json or markdown, not {options.format!r}; "
+                         "html and png are multihead.explain.visual.run")
+    out = check_out(options.out)
+    w = explain(options.example, per_head=options.per_head, cost=options.cost)
+    lang, values = options.lang, options.values
+    if options.format == "json":
+        text = render_json(w, lang=lang, values=values)
+    elif options.format == "markdown":
+        text = render_markdown(w, lang=lang, values=values)
     else:
         color = out is None and _wants_color(stdout)
-        text = render_text(w, lang=args.lang, values=args.values, color=color)
+        text = render_text(w, lang=lang, values=values, color=color)
     write_output(text, out, stdout)
     return 0 if w.all_checks_hold else 1
 

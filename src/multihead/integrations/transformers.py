@@ -49,6 +49,7 @@ import torch
 
 from ..backends import BackendName
 from .. import masks as _masks
+from ..trace import current as _current_trace
 from ..functional import attention, attention_with_weights
 
 __all__ = ["NAME", "register", "attention_forward", "to_mask"]
@@ -79,12 +80,25 @@ def register(name: str = NAME, *, backend: BackendName = "auto") -> str:
     return name
 
 
-def to_mask(attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_causal: bool) -> Optional[_masks.Mask]:
+def to_mask(
+    attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_causal: bool, softcap: Optional[float] = None
+) -> Optional[_masks.Mask]:
     """A multihead mask from what transformers passes to an attention function (table above).
 
     ``attention_mask`` is None, bool or float, of shape (B or 1, 1 or H, Lq, Lk') with Lk' >= Lk
     (a static cache's mask may be longer than the keys; it is cut to the first Lk columns).
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) squashes the scores before the mask is
+    added, as eager does: a float mask's bias is added after the cap (a score mod after
+    `masks.softcap`), its blocked entries select.
     """
+    mask = _to_mask(attention_mask, lq, lk, is_causal=is_causal, softcap=softcap)
+    if softcap is None:
+        return mask
+    capped = _masks.softcap(softcap)
+    return capped if mask is None else capped & mask
+
+
+def _to_mask(attention_mask, lq: int, lk: int, *, is_causal: bool, softcap) -> Optional[_masks.Mask]:
     if attention_mask is None:
         return _masks.causal(align="top_left") if is_causal and lq > 1 else None
     if not isinstance(attention_mask, torch.Tensor):
@@ -106,8 +120,19 @@ def to_mask(attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_caus
     mask = _masks.keep(~blocked)
     rest = attention_mask.masked_fill(blocked, 0)
     if bool(rest.ne(0).any()):
-        mask = mask & _masks.bias(rest)
+        mask = mask & (_masks.bias(rest) if softcap is None else _added_after_the_cap(rest))
     return mask
+
+
+def _added_after_the_cap(bias: torch.Tensor) -> _masks.Mask:
+    """A (B|1, H|1, Lq, Lk) bias as a score mod, so that it comes after the softcap (eager's order)."""
+    whole_batch, whole_heads = bias.shape[0] > 1, bias.shape[1] > 1
+
+    def add_mask_bias(score, b, h, q_idx, kv_idx):
+        tile = bias[b if whole_batch else 0, h if whole_heads else 0, q_idx, kv_idx]
+        return score + tile.to(score.dtype)
+
+    return _masks.score_mod(add_mask_bias, tensors=(bias,))
 
 
 def attention_forward(
@@ -136,18 +161,16 @@ def attention_forward(
         dropout: attention dropout, applied only when ``module.training``.
         is_causal: overrides ``module.is_causal`` when the mask is None (a module without
             that attribute counts as causal, as in transformers' sdpa integration).
-        kwargs: ``output_attentions=True`` returns the weights (reference backend); other
-            entries (position ids, cache details) are not needed here.
+        kwargs: ``output_attentions=True`` returns the weights (reference backend);
+            ``softcap`` (Gemma 2) becomes `multihead.masks.softcap`, ``s_aux`` (gpt-oss's
+            learned sinks, (H,)) `multihead.masks.sink`; ``sliding_window`` is already in the
+            mask transformers builds; other entries (position ids, cache details) are not
+            needed here. Score mods and sinks run on the backends that apply them
+            (``auto`` picks one).
 
     Returns:
         ``(out, weights)``: out (B, Lq, H, D), weights (B, H, Lq, Lk) or None.
     """
-    for unsupported in ("softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(
-                f"{type(module).__name__} passes {unsupported}=, which multihead attention does not implement; "
-                'use attn_implementation="eager" for this model'
-            )
     H, Hkv = query.shape[1], key.shape[1]
     groups = getattr(module, "num_key_value_groups", None)
     if groups is not None and Hkv * groups != H:
@@ -156,15 +179,24 @@ def attention_forward(
         )
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(is_causal))
+    mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(is_causal),
+                   softcap=kwargs.get("softcap"))
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        mask = _masks.sink(sinks) if mask is None else mask & _masks.sink(sinks)
     dropout_p = float(dropout) if module.training else 0.0
     config = getattr(module, "config", None)
     want_weights = kwargs.get("output_attentions")
     if want_weights is None:
         want_weights = getattr(config, "output_attentions", False)
+    tr = _current_trace()
+    if tr is not None:  # the steps recorded below are this layer's: its path under the traced model
+        tr.enter(module)
     if want_weights:
         out, weights = attention_with_weights(query, key, value, mask, scale=scaling, dropout_p=dropout_p)
     else:
         out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout_p, backend=backend)
         weights = None
+    if tr is not None:
+        tr.leave()
     return out.transpose(1, 2).contiguous(), weights

@@ -50,6 +50,100 @@
 
   function current() { return data.maps[state.batch]; }
 
+  /* ---- one score worked out by hand: q_i . k_j = sum_d q_id k_jd, then scaled */
+  var TERMS_UP_TO = 6; // every product when D is at most this; else the first four, an ellipsis, the last
+  var SUB = "\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089";
+  function sub(n) { return String(n).split("").map(function (c) { return SUB[Number(c)]; }).join(""); }
+  function num(v) { return (v < 0 ? "\u2212" : "") + Math.abs(v).toFixed(4); }
+  var worked = { q: null, k: null };
+
+  function showWorked(map, h, i, j) {
+    var box = document.getElementById("worked");
+    if (!box) return;
+    if (!map.q || !map.k || map.scale === null || !map.scores) { box.hidden = true; return; }
+    // the JSON holds the shortest decimals of float32 values: fround gives back the float32 itself
+    var kvHead = Math.floor(h / (map.q.length / map.k.length)); // grouped-query attention: h // g
+    var q = map.q[h][i].map(Math.fround), k = map.k[kvHead][j].map(Math.fround), D = q.length, sum = 0;
+    for (var d = 0; d < D; d++) sum += q[d] * k[d];
+    var shown = [];
+    for (d = 0; d < D; d++) if (D <= TERMS_UP_TO || d < 4 || d === D - 1) shown.push(d);
+    var terms = [];
+    shown.forEach(function (d, n) {
+      if (n > 0 && d !== shown[n - 1] + 1) terms.push("\u2026");
+      terms.push("(" + num(q[d]) + ")(" + num(k[d]) + ")");
+    });
+    var scaled = sum * map.scale, ij = sub(i) + "," + sub(j);
+    var lines = [
+      ui("head") + " " + h + ", " + ui("query") + " " + i + labelOf(map.q_tokens, i) + ", " + ui("key") + " " + j + labelOf(map.k_tokens, j),
+      "q" + sub(i) + " \u00b7 k" + sub(j) + " = \u03a3_d q" + sub(i) + "[d] k" + sub(j) + "[d]   (d = 0 \u2026 " + (D - 1) + ")",
+      "  = " + terms.join(" + "),
+      "  = " + num(sum) + "   (" + ui("worked_sum").replace("{D}", String(D)) + ")",
+      "s" + ij + " = " + num(sum) + " \u00d7 " + map.scale.toPrecision(4) + " = " + num(scaled) + "   (" + ui("worked_scaled") + ")"
+    ];
+    if (map.keep && !map.keep[h][i][j]) lines.push(ui("mask") + ": " + ui("blocked") + " \u2192 \u2212\u221e");
+    document.getElementById("worked-text").textContent = lines.join("\n");
+    box.dataset.head = String(h); box.dataset.q = String(i); box.dataset.k = String(j);
+    box.dataset.sum = String(sum); box.dataset.scaled = String(scaled); box.dataset.terms = String(D);
+    box.hidden = false;
+    worked.q = i; worked.k = j;
+    Array.prototype.forEach.call(document.querySelectorAll("#heat-scores .cell.active"), function (c) { c.classList.remove("active"); });
+    var cell = document.querySelector('#heat-scores .cell[data-q="' + i + '"][data-k="' + j + '"]');
+    if (cell) cell.classList.add("active");
+  }
+
+  function labelOf(tokens, i) { return tokens ? " \u201c" + tokens[i] + "\u201d" : ""; }
+
+  /* ---- every layer x head as a thumbnail (maps grouped by layer) */
+  function paint(canvas, m) {
+    var Lq = m.length, Lk = Lq ? m[0].length : 0;
+    canvas.width = Lk; canvas.height = Lq;
+    var ctx = canvas.getContext("2d"), img = ctx.createImageData(Lk, Lq);
+    for (var i = 0; i < Lq; i++) for (var j = 0; j < Lk; j++) {
+      var t = Math.max(0, Math.min(1, m[i][j] === null ? 0 : m[i][j])), p = 4 * (i * Lk + j);
+      for (var c = 0; c < 3; c++) img.data[p + c] = Math.round(WHITE[c] + (BLUE[c] - WHITE[c]) * t);
+      img.data[p + 3] = 255;
+    }
+    ctx.putImageData(img, 0, 0);
+  }
+
+  function buildModelView() {
+    var grid = document.getElementById("mv-grid");
+    if (!grid) return;
+    var H = 0;
+    data.maps.forEach(function (m) { H = Math.max(H, m.weights.length); });
+    grid.style.gridTemplateColumns = "max-content repeat(" + H + ", minmax(20px, 64px))";
+    grid.appendChild(el("div", "mv-corner"));
+    for (var h = 0; h < H; h++) grid.appendChild(el("div", "mv-col", String(h)));
+    data.maps.forEach(function (m, l) {
+      grid.appendChild(el("div", "mv-row", ui("layer") + " " + l));
+      m.weights.forEach(function (w, h) {
+        var t = el("div", "mv-thumb");
+        t.dataset.layer = String(l); t.dataset.head = String(h);
+        t.title = ui("layer") + " " + l + ", " + ui("head") + " " + h + (headLabel(m, h) ? " \u00b7 " + headLabel(m, h) : "");
+        var c = document.createElement("canvas");
+        paint(c, w);
+        t.appendChild(c);
+        grid.appendChild(t);
+      });
+    });
+    grid.addEventListener("click", function (e) {
+      var t = e.target.closest(".mv-thumb");
+      if (!t) return;
+      state.batch = Number(t.dataset.layer);
+      state.head = Number(t.dataset.head);
+      render();
+      document.getElementById("attention").scrollIntoView({ block: "start" });
+    });
+  }
+
+  function markModelView() {
+    Array.prototype.forEach.call(document.querySelectorAll(".mv-thumb"), function (t) {
+      var on = Number(t.dataset.layer) === state.batch && Number(t.dataset.head) === state.head;
+      t.classList.toggle("selected", on);
+    });
+    Array.prototype.forEach.call(document.querySelectorAll(".mv-row"), function (r, l) { r.textContent = ui("layer") + " " + l; });
+  }
+
   /* The short label of head h (a pattern it shows), in the page's language, or "". */
   function headLabel(map, h) {
     if (!map.head_labels) return "";
@@ -132,6 +226,11 @@
     document.getElementById("head-select").value = String(h);
     document.getElementById("batch-select").value = String(state.batch);
     document.getElementById("head-label").textContent = headLabel(map, h);
+    var Lq = map.weights[h].length;
+    var wi = worked.q !== null && worked.q < Lq ? worked.q : Lq - 1;
+    var wj = worked.k !== null && worked.k < map.weights[h][0].length ? worked.k : 0;
+    showWorked(map, h, wi, wj);
+    markModelView();
   }
 
   function describe(cell) {
@@ -156,10 +255,26 @@
     tip.style.top = Math.max(4, Math.min(y + 12, window.innerHeight - hgt - 4)) + "px";
   }
 
+  document.getElementById("lang-toggle").addEventListener("click", function () {
+    state.lang = state.lang === "en" ? "zh" : "en";
+    root.dataset.lang = state.lang;
+    root.lang = state.lang;
+    document.title = ui("title");
+    tip.hidden = true;
+    if (data.maps.length) render();
+  });
+
+  if (!data.maps.length) return; // a fused trace: the steps and checks only, nothing to draw
+
+  function onScores(cell) {
+    if (cell.parentNode.dataset.kind !== "scores") return;
+    showWorked(current(), state.head, Number(cell.dataset.q), Number(cell.dataset.k));
+  }
+
   var panels = document.querySelector(".panels");
   panels.addEventListener("mouseover", function (e) {
     var cell = e.target.closest(".cell");
-    if (cell && cell.dataset.q !== undefined) showTip(cell, e.clientX, e.clientY);
+    if (cell && cell.dataset.q !== undefined) { showTip(cell, e.clientX, e.clientY); onScores(cell); }
   });
   panels.addEventListener("mousemove", function (e) {
     var cell = e.target.closest(".cell");
@@ -169,7 +284,7 @@
   panels.addEventListener("mouseleave", function () { tip.hidden = true; });
   panels.addEventListener("click", function (e) { // touch screens: tap a cell to read it
     var cell = e.target.closest(".cell");
-    if (cell && cell.dataset.q !== undefined) showTip(cell, e.clientX, e.clientY);
+    if (cell && cell.dataset.q !== undefined) { showTip(cell, e.clientX, e.clientY); onScores(cell); }
   });
   window.addEventListener("scroll", function () { tip.hidden = true; }, { passive: true });
 
@@ -187,14 +302,7 @@
     state.head = Number(t.dataset.head);
     render();
   });
-  document.getElementById("lang-toggle").addEventListener("click", function () {
-    state.lang = state.lang === "en" ? "zh" : "en";
-    root.dataset.lang = state.lang;
-    root.lang = state.lang;
-    document.title = ui("title");
-    tip.hidden = true;
-    render();
-  });
 
+  buildModelView();
   render();
 })();

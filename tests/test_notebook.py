@@ -1,0 +1,154 @@
+"""In a real notebook: a Jupyter kernel (ipykernel) runs the cells a learner writes, through nbclient,
+and the outputs it saves are what Jupyter would show.
+
+``multihead.explain(mha, x)`` and a ``multihead.Trace`` display as text/html: one sandboxed
+``<iframe>`` whose ``srcdoc`` is the whole walkthrough page, escaped, so the page's CSS, script and
+language switch stay out of the notebook. The page inside carries the numbers of the learner's
+own module: the test rebuilds the same module in this process (same seed) and compares.
+
+Skips only when nbclient or ipykernel is not installed (both are in the test extra).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import multihead
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is in the test extra: pip install -e '.[test]'")
+nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra: pip install -e '.[test]'")
+pytest.importorskip("ipykernel", reason="ipykernel is in the test extra: pip install -e '.[test]'")
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+SETUP = """\
+import torch, multihead
+torch.manual_seed(0)
+mha = multihead.MultiHeadAttention(8, 2, causal=True)            # backend "auto": sdpa, one fused step
+x = torch.randn(1, 3, 8)
+"""
+CELLS = [
+    SETUP,
+    "e = multihead.explain(mha, x)\ne",
+    "ref = multihead.MultiHeadAttention(8, 2, causal=True, backend='reference')\n"
+    "ref.load_state_dict(mha.state_dict())\n"
+    "with torch.no_grad(), multihead.trace() as tr:\n"
+    "    ref(x)\n"
+    "tr",
+    "print(e.text(lang='zh'))",
+]
+
+
+def _module_and_input():
+    """What SETUP builds, in this process."""
+    torch.manual_seed(0)
+    mha = multihead.MultiHeadAttention(8, 2, causal=True)
+    return mha, torch.randn(1, 3, 8)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook of CELLS, run by a fresh ipykernel on this checkout's src."""
+    tmp = tmp_path_factory.mktemp("notebook")
+    spec = tmp / "jupyter" / "kernels" / "mh-test"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "multihead test", "language": "python",
+        "env": {"PYTHONPATH": str(SRC), "IPYTHONDIR": str(tmp / "ipython")},
+    }), encoding="utf-8")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JUPYTER_PATH", str(tmp / "jupyter"))
+    mp.setenv("JUPYTER_RUNTIME_DIR", str(tmp / "runtime"))
+    mp.setenv("JUPYTER_DATA_DIR", str(tmp / "data"))
+    try:
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+        client = nbclient.NotebookClient(nb, kernel_name="mh-test", timeout=120, resources={"metadata": {"path": str(tmp)}})
+        client.execute()
+    finally:
+        mp.undo()
+    path = tmp / "walkthrough.ipynb"
+    nbformat.write(nb, path)
+    return nbformat.read(path, as_version=4)  # what a notebook file holds, read back
+
+
+def _html_output(cell) -> str:
+    outputs = [o for o in cell.outputs if o.output_type in ("execute_result", "display_data")]
+    assert len(outputs) == 1, cell.outputs
+    assert "text/plain" in outputs[0].data  # a terminal or a plain viewer still gets text
+    return outputs[0].data["text/html"]
+
+
+def _page_in(frame: str) -> str:
+    """The document inside the one iframe of ``frame``, checking that nothing else is outside it."""
+    m = re.fullmatch(r'<iframe class="multihead-walkthrough" title="[^"<>]*" sandbox="allow-scripts" style="[^"<>]*" srcdoc="([^"<>]*)"></iframe>', frame)
+    assert m, frame[:300]
+    return html.unescape(m[1])
+
+
+def _data(page: str) -> dict:
+    blocks = re.findall(r'<script type="application/json" id="mh-data">(.*?)</script>', page, re.S)
+    assert len(blocks) == 1
+    return json.loads(blocks[0])
+
+
+def test_cells_ran_without_errors(executed):
+    errors = [o for c in executed.cells for o in c.outputs if o.output_type == "error"]
+    assert errors == []
+
+
+def test_explain_shows_the_walkthrough_of_the_learners_module_in_an_isolated_frame(executed):
+    page = _page_in(_html_output(executed.cells[1]))
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page and 'id="lang-toggle"' in page
+    data = _data(page)
+    mha, x = _module_and_input()
+    with torch.no_grad():
+        _, weights = mha(x, return_weights=True)
+    shown = torch.tensor(data["maps"][0]["weights"], dtype=torch.float32)
+    assert torch.equal(shown, weights[0])     # the page's numbers are the float32 weights, exactly
+    # the sdpa call was fused: the page says it re-ran the inputs on the reference backend
+    assert data["config"]["backend"] == "reference"
+    assert 'id="reopened"' in page and "sdpa" in page
+    labels = [s["name"] for s in data["steps"]]
+    assert "softmax" in labels and "scores QKᵀ" in labels
+
+
+def test_a_trace_displays_as_its_page(executed):
+    page = _page_in(_html_output(executed.cells[2]))
+    data = _data(page)
+    mha, x = _module_and_input()
+    ref = multihead.MultiHeadAttention(8, 2, causal=True, backend="reference")
+    ref.load_state_dict(mha.state_dict())
+    with torch.no_grad(), multihead.trace() as tr:
+        ref(x)
+    assert [s["name"] for s in data["steps"]] == [s.label for s in tr.steps]
+    assert torch.equal(torch.tensor(data["maps"][0]["scores"], dtype=torch.float32), tr.step("scale").tensor[0])
+
+
+def test_text_in_chinese_from_the_kernel(executed):
+    out = "".join(o.text for o in executed.cells[3].outputs if o.output_type == "stream")
+    assert "sdpa 后端把这次调用作为一个融合步骤运行" in out and "reference" in out
+    mha, x = _module_and_input()
+    with torch.no_grad():
+        _, weights = mha(x, return_weights=True)
+    assert f"{weights[0, 0, 1, 0].item():.4f}" in out   # the softmax rows of the learner's module
+
+
+def test_a_trace_too_long_for_heat_maps_still_shows_its_steps():
+    from multihead.explain.notebook import trace_html
+
+    mha = multihead.MultiHeadAttention(8, 2, backend="reference")
+    with torch.no_grad(), multihead.trace() as tr:
+        mha(torch.randn(1, 65, 8))
+    page = _page_in(trace_html(tr))
+    assert 'id="steps"' in page and 'id="attention"' not in page and _data(page)["maps"] == []
+    with torch.no_grad(), multihead.trace() as tr:
+        mha(torch.randn(1, 64, 8))
+    assert len(_data(_page_in(trace_html(tr)))["maps"]) == 1
