@@ -1357,7 +1357,22 @@ def _captured_device(fn: Callable[..., object]) -> torch.device:
     return ts[0].device if ts else torch.device("cpu")
 
 
-class ScoreMod(Mask):
+class _BuildsNothing(Mask):
+    """A part that neither selects keys nor adds a tensor (a score mod, a sink): the backends
+    read it through `Mask.score_mods` / `Mask.sink_logits`, so its keep/bias tiles are empty."""
+
+    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
+        return None, None
+
+    def _build_block(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device,
+                     dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
+        return None, None
+
+    def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
+        return ()
+
+
+class ScoreMod(_BuildsNothing):
     """``fn(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's score_mod, applied to each
     tile's scores (after the biases, before the selection)."""
 
@@ -1406,16 +1421,6 @@ class ScoreMod(Mask):
         with torch.no_grad():
             self._apply(torch.zeros(batch, heads, bq, bk, dtype=dtype, device=device), 0, bq, 0, bk, shape)
 
-    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
-        return None, None
-
-    def _build_block(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device,
-                     dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
-        return None, None
-
-    def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
-        return ()
-
     def __repr__(self) -> str:
         extra = f", tensors={[tuple(t.shape) for t in self._tensors]}" if self._tensors else ""
         return f"score_mod({_fn_name(self.fn)}{extra})"
@@ -1446,7 +1451,7 @@ class Softcap(ScoreMod):
         return f"softcap({self.cap:g})"
 
 
-class Sink(Mask):
+class Sink(_BuildsNothing):
     """A learned logit per query head in the softmax's denominator: ``w_ij = exp(s_ij) /
     (Σ_j exp(s_ij) + exp(sink_h))`` (gpt-oss's ``s_aux``); the weights of a row sum to less than 1."""
 
@@ -1460,16 +1465,6 @@ class Sink(Mask):
         if logits.dim() != 1:
             raise ValueError(f"sink logits must be (H,), one per query head, got shape {tuple(logits.shape)}")
         self.logits = logits
-
-    def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
-        return None, None
-
-    def _build_block(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device,
-                     dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
-        return None, None
-
-    def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
-        return ()
 
     def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         if self.logits.shape[0] != shape[1]:
