@@ -38,6 +38,7 @@ __all__ = [
     "MASK_KINDS",
     "SELECTING",
     "selecting_kinds",
+    "part_params",
     "ROLES",
     "get",
     "mask_words",
@@ -110,6 +111,7 @@ CHECKS: dict[str, str] = {
     "equals Q·Kᵀ in float64": "等于 float64 计算的 Q·Kᵀ",
     "is exactly scores × 1/√D": "恰好等于 注意力分数 × 1/√D",
     "visible scores unchanged": "未遮蔽的分数不变",
+    "equals cap·tanh(s / cap) in float64": "等于 float64 计算的 cap·tanh(s / cap)",
     "mask is triu(ones, diagonal=1 + Lk - Lq) flipped": "掩码与 triu(ones, diagonal=1 + Lk - Lq) 取反一致",
     "equals softmax in float64": "等于 float64 计算的 softmax",
     "each weight is 0 or weight / (1 - p)": "每个权重为 0 或 原权重 / (1 - p)",
@@ -207,6 +209,37 @@ def mask_words(kinds: Sequence[str], lang: str, sep: str = " & ") -> str:
 def selecting_kinds(parts: Sequence[Any]) -> tuple[str, ...]:
     """The kinds of the selecting parts among a mask's ``parts`` (:data:`SELECTING`), in order."""
     return tuple(p.kind for p in parts if p.kind in SELECTING)
+
+
+#: the attributes of a mask part that the mask step records (besides its kind), by kind
+_PART_FIELDS: dict[str, tuple[str, ...]] = {
+    "causal": ("align",),
+    "window": ("left", "right", "sinks", "align"),
+    "chunked_local": ("chunk", "align"),
+    "documents": ("lengths",),
+    "softcap": ("cap",),
+}
+
+
+def part_params(parts: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    """Every part of a mask as plain data, in written order: ``{"kind": ..., **its numbers}``
+    (a window's left/right/sinks, a chunk, a softcap's cap, documents' lengths when given by
+    lengths, the heads of an alibi or a sink), for the mask step's ``parts`` parameter."""
+    out = []
+    for p in parts:
+        d: dict[str, Any] = {"kind": p.kind}
+        for name in _PART_FIELDS.get(p.kind, ()):
+            value = getattr(p, name, None)
+            if value is not None:
+                d[name] = value
+        if p.kind == "documents" and "lengths" in d:
+            d["lengths"] = list(d["lengths"][0])
+        for name in ("slopes", "logits"):  # alibi, sink: one value per head
+            value = getattr(p, name, None)
+            if value is not None and hasattr(value, "tolist"):
+                d[name] = [float(x) for x in value.detach().flatten().tolist()]
+        out.append(d)
+    return tuple(out)
 
 
 def check_text(name: str, lang: str) -> str:
@@ -424,13 +457,14 @@ ADD_BIAS = StepKind(
 )
 SCORE_MOD = StepKind(
     "score_mod", "score mods", None, _SCORE_AXES,
-    _score_mod_title, _score_mod_meaning, "score_mod", params=("kinds",),
+    _score_mod_title, _score_mod_meaning, "score_mod",
+    checks=("equals cap·tanh(s / cap) in float64",), params=("kinds", "parts"),
 )
 MASK = StepKind(
     "mask", "{kinds} mask", None, _SCORE_AXES,
     _mask_title, _mask_meaning, "select",
     checks=("blocked scores are -inf", "visible scores unchanged", "mask is triu(ones, diagonal=1 + Lk - Lq) flipped"),
-    note=("{code}", "{code}"), params=("kinds", "code"),
+    note=("{code}", "{code}"), params=("kinds", "parts", "sink", "code"),
 )
 SOFTMAX = StepKind(
     "softmax", "softmax", None, _SCORE_AXES,
