@@ -313,8 +313,18 @@ def _mask_meaning(v: Mapping[str, Any], lang: str) -> str:
                          f"查询 i 能看到键 0 到 {shift}。")
         return text
     words = mask_words(kinds, lang)
-    return (f"Mask ({words}): the query/key pairs it blocks become -inf, so their weights will be exactly 0."
+    text = (f"Mask ({words}): the query/key pairs it blocks become -inf, so their weights will be exactly 0."
             if lang == "en" else f"掩码（{words}）：被遮蔽的查询/键位置设为 -inf，其权重将恰好为 0。")
+    for part in v.get("parts", ()):
+        if part["kind"] == "documents" and "lengths" in part:
+            lengths = ", ".join(str(n) for n in part["lengths"])
+            text += (f" Documents of {lengths} tokens are packed in one row: a query sees only keys of its own "
+                     "document, and causal and window masks align within each document." if lang == "en" else
+                     f"长度为 {lengths} 的文档打包在同一行：查询只能看到本文档内的键，因果和窗口掩码在每个文档内各自对齐。")
+    if v.get("sink"):
+        text += (" A sink logit joins each row's softmax denominator, so a row's weights sum to less than 1."
+                 if lang == "en" else "每行 softmax 的分母还加上注意力汇聚 sink 的一项，所以每行权重之和小于 1。")
+    return text
 
 
 def _mask_title(v: Mapping[str, Any], lang: str) -> str:
@@ -328,8 +338,15 @@ def _score_mod_title(v: Mapping[str, Any], lang: str) -> str:
 
 def _score_mod_meaning(v: Mapping[str, Any], lang: str) -> str:
     words = mask_words(v["kinds"], lang, ", " if lang == "en" else "、")
-    return (f"Each score goes through {words} (in the order written), before the mask selects."
+    text = (f"Each score goes through {words} (in the order written), before the mask selects."
             if lang == "en" else f"每个分数依次经过 {words}（按书写顺序），然后才由掩码选择。")
+    for part in v.get("parts", ()):
+        if part["kind"] == "softcap":
+            cap = f"{part['cap']:g}"
+            text += (f" softcap: s -> {cap}·tanh(s / {cap}), so every score lies in (-{cap}, {cap}); small "
+                     "scores barely change, large ones are squashed." if lang == "en" else
+                     f"软上限：s → {cap}·tanh(s / {cap})，每个分数都落在 (-{cap}, {cap}) 内；小的分数几乎不变，大的被压扁。")
+    return text
 
 
 def _cache_meaning(v: Mapping[str, Any], lang: str) -> str:
