@@ -230,7 +230,7 @@ def _check_sizes(args) -> None:
 
 
 #: the ExampleConfig field each walkthrough flag sets (the flag is "--" + the name, "_" as "-")
-_EXAMPLE_FIELDS = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout")
+_EXAMPLE_FIELDS = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout", "mask")
 _FLAGS = {name: "--" + name.replace("_", "-") for name in _EXAMPLE_FIELDS}
 
 
@@ -240,10 +240,11 @@ def _typed(args) -> Options:
     example = ExampleConfig()
     if args.model is None:
         check_heads(args.heads, args.d_out, args.kv_heads, names=_FLAGS)
-        specs = tuple(args.mask or ())
+        values = {name: getattr(args, name) for name in _EXAMPLE_FIELDS}
+        values["mask"] = tuple(values["mask"] or ())  # --mask may be repeated
         keys = args.tokens if args.keys is None else args.keys
-        parse_mask(specs, tokens=args.tokens, keys=keys, heads=args.heads, name="--mask")  # names the flag
-        example = ExampleConfig(**{name: getattr(args, name) for name in _EXAMPLE_FIELDS}, mask=specs)
+        parse_mask(values["mask"], tokens=args.tokens, keys=keys, heads=args.heads, name="--mask")  # names the flag
+        example = ExampleConfig(**values)
     given = {f.name: getattr(args, f.name) for f in fields(Options) if f.name != "example" and hasattr(args, f.name)}
     return Options(**given, example=example)
 

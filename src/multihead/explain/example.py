@@ -28,7 +28,7 @@ from ..masks import Mask
 from .._checks import check_dropout, check_positive_int
 from ..module import MultiHeadAttention
 from ..trace import Trace, trace
-from .mask_spec import parse_mask
+from .mask_spec import parse_mask, split_specs
 
 __all__ = ["ExampleConfig", "Limits", "LIMITS", "MAX_BATCH", "MAX_HEADS", "MAX_FEATURES",
            "build_example", "check_heads", "trace_example"]
@@ -109,7 +109,7 @@ class ExampleConfig:
         check_heads(self.heads, self.d_out, self.kv_heads)
         if isinstance(self.mask, str) or not isinstance(self.mask, (tuple, list)):
             raise TypeError(f"mask must be a tuple of spec strings (e.g. ('documents:3,2',)), got {self.mask!r}")
-        object.__setattr__(self, "mask", tuple(self.mask))
+        object.__setattr__(self, "mask", split_specs(self.mask))
         self.build_mask()
 
     def build_mask(self, name: str = "mask") -> Optional[Mask]:
