@@ -93,7 +93,7 @@ def attention_probs(
             scores = scores + mt.bias
             if tr is not None:
                 tr.record(_steps.ADD_BIAS, scores)
-        parts = _steps.part_params(mask.parts)
+        parts = _steps.part_params(mask.parts) if tr is not None else ()
         if mask.score_mods:
             scores = mask.apply_block(scores, 0, scores.shape[-2], 0, scores.shape[-1], tuple(scores.shape))
             if tr is not None:
