@@ -417,3 +417,28 @@ def test_worked_score_reads_the_kv_head_of_its_group(browser_page, open_page):
     assert (box["head"], box["q"], box["k"]) == ("3", "2", "4")
     assert float(box["sum"]) == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert events["console_errors"] == []
+
+
+def test_a_packed_documents_page_draws_the_block_mask_and_the_softcap_step(open_page):
+    """``multihead explain --tokens 5 --mask documents:3,2 --mask softcap:1 --format html``: the
+    mask heat map is the packed causal mask, and the score_mod step card shows the squashed scores."""
+    import torch
+
+    options = parse_options(["--format", "html", "--out", "x", "--tokens", "5", "--mask", "documents:3,2", "--mask", "softcap:1"])
+    w = walkthrough.explain(options.example)
+    page, events, url = open_page(visual.render_html(w, visual.head_maps_from_trace(w.trace)))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.is_visible("#panel-mask")
+    cells = page.eval_on_selector_all(
+        "#heat-mask .cell", "cs => cs.map(c => [Number(c.dataset.q), Number(c.dataset.k), Number(c.dataset.v)])")
+    shown = torch.zeros(5, 5, dtype=torch.bool)
+    for q, k, v in cells:
+        shown[q, k] = bool(v)
+    doc = [0, 0, 0, 1, 1]
+    expected = torch.tensor([[doc[i] == doc[j] and j <= i for j in range(5)] for i in range(5)])
+    assert len(cells) == 25 and torch.equal(shown, expected)
+    card = page.locator('li.step[data-step="score mods"]')
+    assert card.count() == 1 and "1·tanh(s / 1)" in card.inner_text()
+    after = w.trace.select("score_mod")[0].tensor[0, 0]
+    first_row = card.locator("table.values tr").nth(0).locator("td").all_inner_texts()
+    assert [float(t) for t in first_row] == pytest.approx(after[0].tolist(), abs=5e-5)

@@ -46,6 +46,18 @@ def _masks_of_every_kind():
     return _run(_mha(8, 2, backend="reference"), torch.randn(1, 4, 8), mask=mask)
 
 
+def _new_mask_kinds():
+    """documents, chunked_local, mask_mod, a window with a sink token, alibi (a bias), score_mod,
+    softcap and a sink on the reference backend: the mask step names every part, and the
+    score_mod step is recorded after the score mods."""
+    table = torch.randn(5)
+    mask = (masks.from_seqlens([3, 2]) & masks.chunked_local(2) & masks.window(1, sinks=1)
+            & masks.mask_mod(lambda b, h, q, kv: kv <= q) & masks.alibi(masks.alibi_slopes(2))
+            & masks.score_mod(lambda s, b, h, q, kv: s + table[(q - kv).abs()]) & masks.softcap(2.0)
+            & masks.sink(torch.zeros(2)))
+    return _run(_mha(8, 2, backend="reference"), torch.randn(1, 5, 8), mask=mask)
+
+
 def _dropout():
     torch.manual_seed(1)
     return _run(_mha(8, 2, dropout=0.5, backend="reference"), torch.randn(1, 3, 8), train=True)
@@ -88,6 +100,7 @@ PRODUCERS = {
     "self-causal": _self_causal,
     "cross-gqa": _cross_gqa,
     "masks": _masks_of_every_kind,
+    "new-mask-kinds": _new_mask_kinds,
     "dropout": _dropout,
     "rope": _rope,
     "cache-rope": _cache_and_rope,
@@ -96,9 +109,6 @@ PRODUCERS = {
     "functional": _functional_only,
     "heads-by-hand": _heads_by_hand,
 }
-#: kinds in the catalogue that no producer of this tree records yet (a score-mod step, for
-#: masks whose parts rewrite the scores): rendered from a step built by hand below
-AWAITING_A_PRODUCER = {steps.SCORE_MOD}
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +122,10 @@ def traces(runs):
     return {name: run[0] for name, run in runs.items()}
 
 
-def _by_hand(kind: steps.StepKind) -> multihead.Trace:
-    """A trace holding one step of ``kind``, built as a producer would record it."""
-    tr = multihead.Trace()
-    tr.record(kind, torch.randn(1, 2, 3, 3), params={"kinds": ("softcap", "score_mod")})
-    return tr
-
-
 # ------------------------------------------------------------------------------ the catalogue itself
 def test_every_kind_is_recorded_by_some_producer(traces):
     recorded = {s.kind for tr in traces.values() for s in tr.steps}
-    assert recorded | AWAITING_A_PRODUCER == set(steps.KINDS.values())
-    assert not recorded & AWAITING_A_PRODUCER, "a producer records it now: drop it from AWAITING_A_PRODUCER"
+    assert recorded == set(steps.KINDS.values())
 
 
 def test_every_recorded_step_carries_its_kinds_params_role_and_checks(traces):
@@ -236,10 +238,7 @@ def _maps(tr):
 
 
 def _all_traces(runs):
-    found = {name: (tr, mod) for name, (tr, mod, _, _) in runs.items()}
-    for kind in AWAITING_A_PRODUCER:
-        found[f"by-hand-{kind.id}"] = (_by_hand(kind), None)
-    return found
+    return {name: (tr, mod) for name, (tr, mod, _, _) in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +247,7 @@ def everything(runs):
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
-@pytest.mark.parametrize("name", list(PRODUCERS) + [f"by-hand-{k.id}" for k in AWAITING_A_PRODUCER])
+@pytest.mark.parametrize("name", list(PRODUCERS))
 def test_every_step_renders_in_every_format(everything, name, lang):
     tr, module = everything[name]
     w = Walkthrough(None, module, (), tr, tr.steps[-1].tensor, costs=cost.trace_cost(tr))
@@ -377,3 +376,66 @@ def test_a_hugging_face_model_on_multihead_keeps_each_layers_path():
     weights = tr.select(steps.SOFTMAX)
     assert [s.layer for s in weights] == [0, 1] and tr.step("softmax", layer=1) is weights[1]
     assert tr.step(steps.REPEAT_KV, role="K", layer=1).params == {"groups": 2}
+
+
+def test_the_mask_step_records_every_part_and_the_score_mod_step_follows_the_mods(traces):
+    tr = traces["new-mask-kinds"]
+    order = [s.kind for s in tr.steps]
+    assert order.index(steps.ADD_BIAS) < order.index(steps.SCORE_MOD) < order.index(steps.MASK) < order.index(steps.SOFTMAX)
+    mask_step = tr.select(steps.MASK)[0]
+    parts = mask_step.params["parts"]
+    assert [p["kind"] for p in parts] == ["documents", "chunked_local", "window", "mask_mod", "alibi", "score_mod", "softcap", "sink"]
+    assert parts[0]["lengths"] == [3, 2] and parts[1]["chunk"] == 2 and parts[2]["sinks"] == 1
+    assert parts[4]["slopes"] == masks.alibi_slopes(2).tolist() and parts[6]["cap"] == 2.0 and parts[7]["logits"] == [0.0, 0.0]
+    assert tuple(mask_step.params["kinds"]) == ("documents", "chunked_local", "window", "mask_mod")
+    assert mask_step.params["sink"] is True
+    mod = tr.select(steps.SCORE_MOD)[0]
+    assert tuple(mod.params["kinds"]) == ("score_mod", "softcap")
+    assert [p["kind"] for p in mod.params["parts"]] == ["score_mod", "softcap"]
+
+
+#: one call of every public constructor in multihead.masks that returns a Mask (a new
+#: constructor fails the test below until it is added here, and its kind to steps.MASK_KINDS)
+_CONSTRUCTED = {
+    "causal": lambda: masks.causal(),
+    "window": lambda: masks.window(2, sinks=1),
+    "key_padding": lambda: masks.key_padding(torch.ones(1, 4, dtype=torch.bool)),
+    "keep": lambda: masks.keep(torch.ones(4, 4, dtype=torch.bool)),
+    "bias": lambda: masks.bias(torch.zeros(4, 4)),
+    "documents": lambda: masks.documents(torch.tensor([0, 0, 1, 1])),
+    "from_seqlens": lambda: masks.from_seqlens([2, 2]),
+    "from_cu_seqlens": lambda: masks.from_cu_seqlens([0, 2, 4]),
+    "chunked_local": lambda: masks.chunked_local(2),
+    "mask_mod": lambda: masks.mask_mod(lambda b, h, q, kv: kv <= q),
+    "score_mod": lambda: masks.score_mod(lambda s, b, h, q, kv: s * 2),
+    "softcap": lambda: masks.softcap(3.0),
+    "sink": lambda: masks.sink(torch.zeros(2)),
+    "alibi": lambda: masks.alibi(masks.alibi_slopes(2)),
+    "from_torch": lambda: masks.from_torch(torch.ones(4, 4, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool)),
+    "as_mask": lambda: masks.as_mask(torch.ones(4, 4, dtype=torch.bool)),
+}
+
+
+def test_the_mask_kinds_table_names_every_kind_masks_constructs():
+    import inspect
+    returning_masks = {
+        n for n in masks.__all__
+        if inspect.isfunction(getattr(masks, n)) and n != "split_additive"  # it splits a mask, makes none
+        and "Mask" in str(inspect.signature(getattr(masks, n)).return_annotation)
+    }
+    assert returning_masks == set(_CONSTRUCTED), "add the new constructor to _CONSTRUCTED"
+    for name, make in _CONSTRUCTED.items():
+        for part in make().parts:
+            assert part.kind in steps.MASK_KINDS, (name, part.kind)
+            steps.mask_words([part.kind], "zh")
+
+
+@pytest.mark.parametrize("backend", ["chunked", "flex"])
+def test_the_fused_steps_name_the_mask_kinds(backend):
+    if backend not in multihead.backends.names():
+        pytest.skip(f"{backend} is not registered")
+    mask = masks.from_seqlens([3, 2]) & masks.softcap(2.0)
+    with torch.no_grad():
+        tr, *_ = _run(_mha(8, 2, causal=True, backend=backend), torch.randn(1, 5, 8), mask=mask)
+    fused = tr.select(steps.FUSED_ATTENTION)[0]
+    assert tuple(fused.params["mask_kinds"]) == ("causal", "documents", "softcap")

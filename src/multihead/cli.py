@@ -21,6 +21,7 @@ from dataclasses import fields
 from typing import Optional, Sequence
 
 from .explain import ExplainWarning, UsageError
+from .explain.mask_spec import SPECS as _MASK_SPECS, parse_mask
 from .explain.example import LIMITS, MAX_BATCH, MAX_FEATURES, MAX_HEADS, ExampleConfig, check_heads
 from .explain.options import FORMATS, Options
 
@@ -132,6 +133,10 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
     cfg.add_argument("--seed", type=_int_in("--seed", 0, _SEEDS - 1, "torch's seed range"), default=d(42),
                      help="random seed (default 42)")
     cfg.add_argument("--dropout", type=_probability, default=d(0.0), help="attention dropout, run in training mode")
+    cfg.add_argument("--mask", action="append", default=d(None), metavar="SPEC",
+                     help="a mask part for the example, combined with & after --causal (causal then aligns per "
+                          "document); repeat it or join parts with &, e.g. --mask 'documents:3,2&softcap:5'. "
+                          "Parts: " + "; ".join(_MASK_SPECS.values()))
     out = ex.add_argument_group("output")
     out.add_argument("--lang", choices=("en", "zh"), default=d("en"), help="language (default en; png labels are English)")
     out.add_argument("--format", choices=FORMATS, default=d("text"))
@@ -155,7 +160,7 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
 
 #: options of the step-by-step walkthrough; --model refuses them
 _WALKTHROUGH = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout",
-                "values", "per_head", "cost")
+                "mask", "values", "per_head", "cost")
 #: options of --model alone
 _MODEL = ("text", "layer", "head", "token", "neuron")
 #: what html and png do not show
@@ -225,7 +230,7 @@ def _check_sizes(args) -> None:
 
 
 #: the ExampleConfig field each walkthrough flag sets (the flag is "--" + the name, "_" as "-")
-_EXAMPLE_FIELDS = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout")
+_EXAMPLE_FIELDS = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys", "causal", "seed", "dropout", "mask")
 _FLAGS = {name: "--" + name.replace("_", "-") for name in _EXAMPLE_FIELDS}
 
 
@@ -235,7 +240,11 @@ def _typed(args) -> Options:
     example = ExampleConfig()
     if args.model is None:
         check_heads(args.heads, args.d_out, args.kv_heads, names=_FLAGS)
-        example = ExampleConfig(**{name: getattr(args, name) for name in _EXAMPLE_FIELDS})
+        values = {name: getattr(args, name) for name in _EXAMPLE_FIELDS}
+        values["mask"] = tuple(values["mask"] or ())  # --mask may be repeated
+        keys = args.tokens if args.keys is None else args.keys
+        parse_mask(values["mask"], tokens=args.tokens, keys=keys, heads=args.heads, name="--mask")  # names the flag
+        example = ExampleConfig(**values)
     given = {f.name: getattr(args, f.name) for f in fields(Options) if f.name != "example" and hasattr(args, f.name)}
     return Options(**given, example=example)
 

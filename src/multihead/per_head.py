@@ -105,7 +105,8 @@ class PerHeadAttention(nn.Module):
 def _split_mask_by_head(m, shape, query) -> list:
     """Head i's mask, (B, 1, Lq, Lk): a mask may differ per head (a keep or bias tensor with an H
     axis, nn.MultiheadAttention's (B*H, Lq, Lk) attn_mask), so it is built for the whole
-    (B, H, Lq, Lk) = ``shape`` and sliced at head i."""
+    (B, H, Lq, Lk) = ``shape`` and sliced at head i; score mods see head i as their h, and a
+    sink gives head i its own logit."""
     if m is None:
         return [None] * shape[1]
     m.check(shape, query.device)
@@ -122,8 +123,22 @@ def _split_mask_by_head(m, shape, query) -> list:
         keep, bias = head(built.keep, i), head(built.bias, i)
         parts = [_masks.keep(keep)] if keep is not None else []
         parts += [_masks.bias(bias)] if bias is not None else []
-        masks.append(parts[0] if len(parts) == 1 else parts[0] & parts[1])
+        parts += [_head_score_mod(mod, i) for mod in m.score_mods]
+        if m.sink_logits is not None:
+            parts.append(_masks.sink(m.sink_logits[i:i + 1]))
+        one = None
+        for part in parts:
+            one = part if one is None else one & part
+        masks.append(one)
     return masks
+
+
+def _head_score_mod(mod, i: int):
+    """``mod`` as head i alone sees it: its function called with h + i (softcap reads no h)."""
+    if mod.kind == "softcap":
+        return mod
+    fn = mod.fn
+    return _masks.score_mod(lambda s, b, h, q, kv: fn(s, b, h + i, q, kv), tensors=mod.tensors)
 
 
 def to_per_head(config: AttentionConfig, weights: Mapping[str, torch.Tensor]) -> PerHeadAttention:

@@ -38,6 +38,7 @@ __all__ = [
     "MASK_KINDS",
     "SELECTING",
     "selecting_kinds",
+    "part_params",
     "ROLES",
     "get",
     "mask_words",
@@ -110,6 +111,7 @@ CHECKS: dict[str, str] = {
     "equals Q·Kᵀ in float64": "等于 float64 计算的 Q·Kᵀ",
     "is exactly scores × 1/√D": "恰好等于 注意力分数 × 1/√D",
     "visible scores unchanged": "未遮蔽的分数不变",
+    "equals cap·tanh(s / cap) in float64": "等于 float64 计算的 cap·tanh(s / cap)",
     "mask is triu(ones, diagonal=1 + Lk - Lq) flipped": "掩码与 triu(ones, diagonal=1 + Lk - Lq) 取反一致",
     "equals softmax in float64": "等于 float64 计算的 softmax",
     "each weight is 0 or weight / (1 - p)": "每个权重为 0 或 原权重 / (1 - p)",
@@ -209,6 +211,37 @@ def selecting_kinds(parts: Sequence[Any]) -> tuple[str, ...]:
     return tuple(p.kind for p in parts if p.kind in SELECTING)
 
 
+#: the attributes of a mask part that the mask step records (besides its kind), by kind
+_PART_FIELDS: dict[str, tuple[str, ...]] = {
+    "causal": ("align",),
+    "window": ("left", "right", "sinks", "align"),
+    "chunked_local": ("chunk", "align"),
+    "documents": ("lengths",),
+    "softcap": ("cap",),
+}
+
+
+def part_params(parts: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    """Every part of a mask as plain data, in written order: ``{"kind": ..., **its numbers}``
+    (a window's left/right/sinks, a chunk, a softcap's cap, documents' lengths when given by
+    lengths, the heads of an alibi or a sink), for the mask step's ``parts`` parameter."""
+    out = []
+    for p in parts:
+        d: dict[str, Any] = {"kind": p.kind}
+        for name in _PART_FIELDS.get(p.kind, ()):
+            value = getattr(p, name, None)
+            if value is not None:
+                d[name] = value
+        if p.kind == "documents" and "lengths" in d:
+            d["lengths"] = list(d["lengths"][0])
+        for name in ("slopes", "logits"):  # alibi, sink: one value per head
+            value = getattr(p, name, None)
+            if value is not None and hasattr(value, "tolist"):
+                d[name] = [float(x) for x in value.detach().flatten().tolist()]
+        out.append(d)
+    return tuple(out)
+
+
 def check_text(name: str, lang: str) -> str:
     """The check ``name`` (its English name, a key of :data:`CHECKS`) in ``lang``."""
     if name not in CHECKS:
@@ -280,8 +313,18 @@ def _mask_meaning(v: Mapping[str, Any], lang: str) -> str:
                          f"查询 i 能看到键 0 到 {shift}。")
         return text
     words = mask_words(kinds, lang)
-    return (f"Mask ({words}): the query/key pairs it blocks become -inf, so their weights will be exactly 0."
+    text = (f"Mask ({words}): the query/key pairs it blocks become -inf, so their weights will be exactly 0."
             if lang == "en" else f"掩码（{words}）：被遮蔽的查询/键位置设为 -inf，其权重将恰好为 0。")
+    for part in v.get("parts", ()):
+        if part["kind"] == "documents" and "lengths" in part:
+            lengths = ", ".join(str(n) for n in part["lengths"])
+            text += (f" Documents of {lengths} tokens are packed in one row: a query sees only keys of its own "
+                     "document, and causal and window masks align within each document." if lang == "en" else
+                     f"长度为 {lengths} 的文档打包在同一行：查询只能看到本文档内的键，因果和窗口掩码在每个文档内各自对齐。")
+    if v.get("sink"):
+        text += (" A sink logit joins each row's softmax denominator, so a row's weights sum to less than 1."
+                 if lang == "en" else "每行 softmax 的分母还加上注意力汇聚 sink 的一项，所以每行权重之和小于 1。")
+    return text
 
 
 def _mask_title(v: Mapping[str, Any], lang: str) -> str:
@@ -295,8 +338,15 @@ def _score_mod_title(v: Mapping[str, Any], lang: str) -> str:
 
 def _score_mod_meaning(v: Mapping[str, Any], lang: str) -> str:
     words = mask_words(v["kinds"], lang, ", " if lang == "en" else "、")
-    return (f"Each score goes through {words} (in the order written), before the mask selects."
+    text = (f"Each score goes through {words} (in the order written), before the mask selects."
             if lang == "en" else f"每个分数依次经过 {words}（按书写顺序），然后才由掩码选择。")
+    for part in v.get("parts", ()):
+        if part["kind"] == "softcap":
+            cap = f"{part['cap']:g}"
+            text += (f" softcap: s -> {cap}·tanh(s / {cap}), so every score lies in (-{cap}, {cap}); small "
+                     "scores barely change, large ones are squashed." if lang == "en" else
+                     f"软上限：s → {cap}·tanh(s / {cap})，每个分数都落在 (-{cap}, {cap}) 内；小的分数几乎不变，大的被压扁。")
+    return text
 
 
 def _cache_meaning(v: Mapping[str, Any], lang: str) -> str:
@@ -424,13 +474,14 @@ ADD_BIAS = StepKind(
 )
 SCORE_MOD = StepKind(
     "score_mod", "score mods", None, _SCORE_AXES,
-    _score_mod_title, _score_mod_meaning, "score_mod", params=("kinds",),
+    _score_mod_title, _score_mod_meaning, "score_mod",
+    checks=("equals cap·tanh(s / cap) in float64",), params=("kinds", "parts"),
 )
 MASK = StepKind(
     "mask", "{kinds} mask", None, _SCORE_AXES,
     _mask_title, _mask_meaning, "select",
     checks=("blocked scores are -inf", "visible scores unchanged", "mask is triu(ones, diagonal=1 + Lk - Lq) flipped"),
-    note=("{code}", "{code}"), params=("kinds", "code"),
+    note=("{code}", "{code}"), params=("kinds", "parts", "sink", "code"),
 )
 SOFTMAX = StepKind(
     "softmax", "softmax", None, _SCORE_AXES,

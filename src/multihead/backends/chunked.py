@@ -171,6 +171,7 @@ def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
             "backend": "chunked", "block_q": bq, "block_k": bk,
             "tiles_computed": BLOCKS_COMPUTED["forward"] - before, "tiles_total": total,
             "lk": k.shape[2], "head_dim": q.shape[-1],
+            "mask_kinds": tuple(p.kind for p in mask.parts) if mask is not None else (),
         })
     return out, lse
 

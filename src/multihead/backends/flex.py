@@ -553,6 +553,7 @@ def _backend_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
         tr.record(_steps.FUSED_ATTENTION, out, params={
             "backend": "flex", "kernel": "torch flex_attention " + ("compiled" if COMPILE else "unfused"),
             "tiles_computed": computed, "tiles_total": total, "lk": k.shape[2], "head_dim": q.shape[-1],
+            "mask_kinds": tuple(p.kind for p in mask.parts) if mask is not None else (),
         })
     return out
 

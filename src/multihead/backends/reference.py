@@ -93,15 +93,22 @@ def attention_probs(
             scores = scores + mt.bias
             if tr is not None:
                 tr.record(_steps.ADD_BIAS, scores)
+        parts = _steps.part_params(mask.parts) if tr is not None else ()
         if mask.score_mods:
             scores = mask.apply_block(scores, 0, scores.shape[-2], 0, scores.shape[-1], tuple(scores.shape))
+            if tr is not None:
+                tr.record(_steps.SCORE_MOD, scores, params={
+                    "kinds": tuple(m.kind for m in mask.score_mods),
+                    "parts": tuple(p for p in parts if p["kind"] in ("score_mod", "softcap")),
+                })
         if keep is not None:
             scores = scores.masked_fill(~keep, _NEG_INF)
             if tr is not None:
                 tr.record(
                     _steps.MASK, scores,
                     checks={"blocked scores are -inf": bool((scores.masked_select(~keep.expand_as(scores)) == _NEG_INF).all())},
-                    params={"kinds": _steps.selecting_kinds(mask.parts), "code": repr(mask)},
+                    params={"kinds": _steps.selecting_kinds(mask.parts), "parts": parts, "sink": sink is not None,
+                            "code": repr(mask)},
                     extras={"keep": keep},
                 )
     weights = safe_softmax(scores) if sink is None else safe_softmax(scores, sink)

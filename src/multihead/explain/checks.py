@@ -21,6 +21,7 @@ import torch
 
 from .._numerics import default_scale
 from .. import steps as _steps
+from ..masks import Mask
 from ..trace import Step, Trace
 
 __all__ = [
@@ -106,13 +107,24 @@ def check_causal_keep(keep: torch.Tensor, lq: int, lk: int) -> bool:
     return bool((keep.expand(*keep.shape[:-2], lq, lk) == ~blocked).all())
 
 
-def _softmax_rows(s: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row of only -inf: weights 0, not NaN
+def _softmax_rows(s: torch.Tensor, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax over the last axis (a row of only -inf: weights 0, not NaN); with ``sink`` (H,)
+    logits, exp(sink_h) joins each row's denominator."""
+    if sink is None:
+        return torch.softmax(s, dim=-1).nan_to_num(0.0)
+    extra = sink.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, extra], dim=-1), dim=-1)[..., :-1]
 
 
-def check_softmax(masked: torch.Tensor, weights: torch.Tensor) -> bool:
-    """weights = softmax(masked scores) over the keys (a fully blocked row gives 0)."""
-    return close_to_float64(weights, _softmax_rows, masked)[0]
+def check_softmax(masked: torch.Tensor, weights: torch.Tensor, sink: Optional[torch.Tensor] = None) -> bool:
+    """weights = softmax(masked scores) over the keys (a fully blocked row gives 0), with the
+    sink's logits (H,) in the denominator when given."""
+    return close_to_float64(weights, lambda s: _softmax_rows(s, sink), masked)[0]
+
+
+def check_softcap(before: torch.Tensor, after: torch.Tensor, cap: float) -> bool:
+    """after = cap · tanh(before / cap), recomputed in float64 from the definition."""
+    return close_to_float64(after, lambda s: cap * torch.tanh(s / cap), before)[0]
 
 
 def check_dropout(weights: torch.Tensor, dropped: torch.Tensor, p: float) -> bool:
@@ -138,11 +150,13 @@ def check_output_projection(merged: torch.Tensor, out: torch.Tensor, linear: tor
     return close_to_float64(out, lambda m, w, b: m @ w.T + b, merged, linear.weight.detach(), bias.detach())[0]
 
 
-def plain_forward(mha, inputs: tuple, dtype: torch.dtype, *, dropout_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+def plain_forward(mha, inputs: tuple, dtype: torch.dtype, *, dropout_keep: Optional[torch.Tensor] = None,
+                  mask: Optional[Mask] = None) -> torch.Tensor:
     """The tutorial's code, written out plainly, with ``mha``'s weights in ``dtype``.
 
     inputs: ``(x,)`` or ``(x, memory)``. dropout_keep: bool (B, H, Lq, Lk), the weights that
-    dropout kept (for a forward run in training mode), or None.
+    dropout kept (for a forward run in training mode), or None. mask: the call's mask (the
+    example's ``--mask``): its dense keep and bias, its score mods and its sink join the code.
     Returns (B, Lq, d_out).
     """
     c = mha.config
@@ -159,27 +173,38 @@ def plain_forward(mha, inputs: tuple, dtype: torch.dtype, *, dropout_keep: Optio
     q = linear(x, mha.q_proj).view(B, Lq, H, D).transpose(1, 2)
     k = linear(memory, mha.k_proj).view(B, Lk, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
     v = linear(memory, mha.v_proj).view(B, Lk, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-    scores = q @ k.transpose(2, 3)
+    scores = q @ k.transpose(2, 3) / D ** 0.5
+    sink = None
+    blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
+    if mask is not None:
+        mt = mask.materialize((B, H, Lq, Lk), device=scores.device, dtype=dtype)
+        if mt.bias is not None:
+            scores = scores + mt.bias
+        for mod in mask.score_mods:
+            scores = mod.apply_block(scores, 0, Lq, 0, Lk, (B, H, Lq, Lk))
+        if mt.keep is not None:
+            blocked = blocked | ~mt.keep
+        sink = mask.sink_logits
     if c.causal:
-        blocked = torch.triu(torch.ones(Lq, Lk, dtype=torch.bool), diagonal=1 + Lk - Lq)
-        scores = scores.masked_fill(blocked, float("-inf"))
-    weights = _softmax_rows(scores / D ** 0.5)
+        blocked = blocked | torch.triu(torch.ones(Lq, Lk, dtype=torch.bool), diagonal=1 + Lk - Lq)
+    weights = _softmax_rows(scores.masked_fill(blocked, float("-inf")), sink)
     if dropout_keep is not None:
         weights = weights * dropout_keep / (1 - c.dropout)
     context = (weights @ v).transpose(1, 2).reshape(B, Lq, H * D)
     return linear(context, mha.out_proj)
 
 
-def check_forward(mha, inputs: tuple, y: torch.Tensor, *, dropout_keep: Optional[torch.Tensor] = None) -> tuple[bool, float, float]:
+def check_forward(mha, inputs: tuple, y: torch.Tensor, *, dropout_keep: Optional[torch.Tensor] = None,
+                  mask: Optional[Mask] = None) -> tuple[bool, float, float]:
     """``y`` against :func:`plain_forward` in float64: ``(ok, error, tolerance)``."""
-    ref = plain_forward(mha, inputs, torch.float64, dropout_keep=dropout_keep)
-    plain = plain_forward(mha, inputs, y.dtype, dropout_keep=dropout_keep)
+    ref = plain_forward(mha, inputs, torch.float64, dropout_keep=dropout_keep, mask=mask)
+    plain = plain_forward(mha, inputs, y.dtype, dropout_keep=dropout_keep, mask=mask)
     tol = 2 * _max_abs_diff(plain, ref) + _floor(ref, y.dtype)
     err = _max_abs_diff(y, ref)
     return err <= tol, err, tol
 
 
-def per_head_difference(mha, inputs: tuple) -> tuple[float, float, bool]:
+def per_head_difference(mha, inputs: tuple, mask: Optional[Mask] = None) -> tuple[float, float, bool]:
     """Run ``mha`` and ``mha.to_per_head()`` in eval mode on ``inputs``.
 
     Returns ``(max |fused - per-head|, tolerance, ok)``: ok when both outputs are within the
@@ -190,10 +215,10 @@ def per_head_difference(mha, inputs: tuple) -> tuple[float, float, bool]:
     try:
         per_head = mha.to_per_head().eval()
         with torch.no_grad():
-            fused = mha(*inputs)
-            separate = per_head(*inputs)
-        ok_fused, _, tol = check_forward(mha, inputs, fused)
-        ok_separate, _, _ = check_forward(mha, inputs, separate)
+            fused = mha(*inputs, mask=mask)
+            separate = per_head(*inputs, mask=mask)
+        ok_fused, _, tol = check_forward(mha, inputs, fused, mask=mask)
+        ok_separate, _, _ = check_forward(mha, inputs, separate, mask=mask)
     finally:
         mha.train(was_training)
     return _max_abs_diff(fused, separate), 2 * tol, ok_fused and ok_separate
@@ -204,9 +229,10 @@ def _find(trace: Trace, kind: _steps.StepKind, role: str = ""):
     return found[0] if found else None
 
 
-def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
-    """Recompute every arithmetic step of ``trace`` (a reference-backend run of ``mha(*inputs)``
-    with values kept) from the step before it, and the whole output from scratch."""
+def walkthrough_checks(trace: Trace, mha, inputs: tuple, mask: Optional[Mask] = None) -> list[Check]:
+    """Recompute every arithmetic step of ``trace`` (a reference-backend run of
+    ``mha(*inputs, mask=mask)`` with values kept) from the step before it, and the whole output
+    from scratch."""
     c = mha.config
     steps = trace.steps
     if any(s.tensor is None for s in steps):
@@ -226,22 +252,29 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
     out = _find(trace, _steps.OUTPUT_PROJECTION)
     masked = _find(trace, _steps.MASK)
     add_bias = _find(trace, _steps.ADD_BIAS)
+    score_mod = _find(trace, _steps.SCORE_MOD)
 
     if q and k and scores:
         found.append(Check(scores.label, "equals Q·Kᵀ in float64", check_scores(q.tensor, k.tensor, scores.tensor), scores))
     if scores and scaled:
         found.append(Check(scaled.label, "is exactly scores × 1/√D", check_scale(scores.tensor, scaled.tensor, c.head_dim), scaled))
-    before_mask = scaled
+    before_mask = add_bias or scaled
+    if score_mod is not None and before_mask is not None and tuple(score_mod.params["kinds"]) == ("softcap",):
+        cap = float(score_mod.params["parts"][0]["cap"])
+        found.append(Check(score_mod.label, "equals cap·tanh(s / cap) in float64",
+                           check_softcap(before_mask.tensor, score_mod.tensor, cap), score_mod))
+    before_mask = score_mod or before_mask
     if masked is not None and before_mask is not None:
-        before_mask = add_bias or scaled
         keep = masked.extras["keep"]
         found.append(Check(masked.label, "visible scores unchanged", check_mask(before_mask.tensor, cast(torch.Tensor, masked.tensor), keep), masked))
         if tuple(masked.params["kinds"]) == ("causal",):
             lq, lk = masked.shape[-2:]
             found.append(Check(masked.label, "mask is triu(ones, diagonal=1 + Lk - Lq) flipped", check_causal_keep(keep, lq, lk), masked))
-    last_scores = masked or add_bias or scaled
+    last_scores = masked or score_mod or add_bias or scaled
+    sink = mask.sink_logits if mask is not None else None
     if last_scores and softmax:
-        found.append(Check(softmax.label, "equals softmax in float64", check_softmax(cast(torch.Tensor, last_scores.tensor), softmax.tensor), softmax))
+        found.append(Check(softmax.label, "equals softmax in float64",
+                           check_softmax(cast(torch.Tensor, last_scores.tensor), softmax.tensor, sink), softmax))
     if softmax and dropout:
         found.append(Check(dropout.label, "each weight is 0 or weight / (1 - p)", check_dropout(softmax.tensor, dropout.tensor, c.dropout), dropout))
     applied = dropout or softmax
@@ -251,5 +284,5 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple) -> list[Check]:
         found.append(Check(out.label, "equals merged × W_Oᵀ in float64", check_output_projection(merged.tensor, out.tensor, mha.out_proj), out))
     if out:
         dropout_keep = (dropout.tensor != 0) if dropout else None
-        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=dropout_keep)[0], out))
+        found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=dropout_keep, mask=mask)[0], out))
     return found

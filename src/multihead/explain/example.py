@@ -23,9 +23,12 @@ from typing import Optional
 
 import torch
 
+from ..masks import Mask
+
 from .._checks import check_dropout, check_positive_int
 from ..module import MultiHeadAttention
 from ..trace import Trace, trace
+from .mask_spec import parse_mask, split_specs
 
 __all__ = ["ExampleConfig", "Limits", "LIMITS", "MAX_BATCH", "MAX_HEADS", "MAX_FEATURES",
            "build_example", "check_heads", "trace_example"]
@@ -73,7 +76,9 @@ class ExampleConfig:
     from a second input of that many tokens (None = self-attention, Lk = tokens). causal: None
     (the default) is causal for self-attention and not for cross-attention, where the keys are
     another sequence; True or False says so. dropout: on the attention weights; the module
-    then runs in training mode. A size the module refuses raises ValueError naming the field.
+    then runs in training mode. mask: ``--mask`` specs (:mod:`.mask_spec`, e.g.
+    ``("documents:3,2", "softcap:5")``), passed as ``mha(x, mask=...)`` and combined with the
+    causal mask. A size the module refuses, or a bad spec, raises ValueError naming the field.
     """
 
     batch: int = 2
@@ -87,6 +92,7 @@ class ExampleConfig:
     seed: int = 42
     dropout: float = 0.0
     bias: bool = False
+    mask: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("batch", "tokens", "d_in", "d_out", "heads"):
@@ -101,6 +107,14 @@ class ExampleConfig:
         elif not isinstance(self.causal, bool):
             raise TypeError(f"causal must be True, False or None, got {self.causal!r}")
         check_heads(self.heads, self.d_out, self.kv_heads)
+        if isinstance(self.mask, str) or not isinstance(self.mask, (tuple, list)):
+            raise TypeError(f"mask must be a tuple of spec strings (e.g. ('documents:3,2',)), got {self.mask!r}")
+        object.__setattr__(self, "mask", split_specs(self.mask))
+        self.build_mask()
+
+    def build_mask(self, name: str = "mask") -> Optional[Mask]:
+        """The mask of ``mask``'s specs (None without any); ValueError naming ``name`` for a bad spec."""
+        return parse_mask(self.mask, tokens=self.tokens, keys=self.key_tokens, heads=self.heads, name=name)
 
     @property
     def key_tokens(self) -> int:
@@ -129,7 +143,9 @@ class ExampleConfig:
             args.append(f"dropout={self.dropout}")
         args.append(f"bias={self.bias}")
         args.append('backend="reference"')
-        call = "mha(x, memory)" if self.keys is not None else "mha(x)"
+        call = "mha(x, memory" if self.keys is not None else "mha(x"
+        mask = self.build_mask()
+        call += f", mask={mask!r})" if mask is not None else ")"
         return f"mha = MultiHeadAttention({', '.join(args)}); y = {call}"
 
 
@@ -186,7 +202,7 @@ def run_example(config: ExampleConfig, *, keep_values: bool = True):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # the dropout draws
         with torch.no_grad(), trace(keep_values=keep_values) as t:
-            y = mha(*inputs)
+            y = mha(*inputs, mask=config.build_mask())
     return mha, inputs, t, y
 
 

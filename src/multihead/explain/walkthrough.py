@@ -101,9 +101,9 @@ def explain(config: ExampleConfig = ExampleConfig(), *, per_head: bool = False, 
     """Run the example of ``config`` traced, recompute every step, optionally compare with the
     per-head reference and count the cost."""
     mha, inputs, t, y = run_example(config, keep_values=True)
-    w = Walkthrough(config, mha, inputs, t, y, walkthrough_checks(t, mha, inputs))
+    w = Walkthrough(config, mha, inputs, t, y, walkthrough_checks(t, mha, inputs, config.build_mask()))
     if per_head:
-        w.per_head = PerHead(*per_head_difference(mha, inputs))
+        w.per_head = PerHead(*per_head_difference(mha, inputs, config.build_mask()))
     if cost:
         w.costs = _cost.trace_cost(t)
     return w
