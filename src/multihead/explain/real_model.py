@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from ..trace import Trace
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
-from .models import ModelError, RealRun
+from .models import LayerRecord, ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
@@ -417,15 +417,26 @@ def default_layer(labels) -> int:
 
 
 def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm", text: str = "",
-               lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None) -> list:
+               lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None,
+               layers: Optional[Sequence[LayerRecord]] = None) -> list:
     """One :class:`~multihead.explain.visual.HeadMaps` per layer, for the visual formats.
 
     weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes; keep:
     (layers, H, L, L) bool, the masks (None: all visible). Each head is labelled with its pattern
     (:func:`label_heads`) and that pattern's score, in English and Chinese; the title names the
     model (``title``, default the registry's name of ``model``), the layer and ``text`` (in ``lang``).
+
+    layers: the run's :class:`~multihead.explain.models.LayerRecord` per layer (``RealRun.layers``),
+    or None. With them each map also carries the scaled scores (scale × the q kᵀ multihead
+    computed) and their operands, the queries (H, L, D) and the keys per kv head (Hkv, L, D) the
+    layer passed to the attention function (after the rotary embedding for a Llama-family model),
+    with the scale, so the page works the score under the pointer out by hand. A layer that adds
+    a bias to its scores gets no operands (q·k × scale is not its score).
     """
     from .visual import HeadMaps
+
+    if layers is not None and len(layers) != weights.shape[0]:
+        raise ValueError(f"layers has {len(layers)} records but weights have {weights.shape[0]} layers")
 
     scores = pattern_scores(weights, keep)
     labels = label_heads(scores)
@@ -435,12 +446,22 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
         p = labels[layer][head]
         return pattern_name(p, lang_, tokens) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
 
+    def operands(layer: int) -> dict:
+        if layers is None:
+            return {}
+        rec = layers[layer]
+        scaled = rec.scores.float() * rec.scale
+        if rec.bias is not None:
+            return {"scores": scaled + rec.bias}
+        return {"scores": scaled, "q": rec.q.float(), "k": rec.k.float(), "scale": rec.scale}
+
     return [
         HeadMaps(
             weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
             title=_t("layer_title", lang, model=name, layer=layer, text=text),
             keep=None if keep is None else keep[layer],
             head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
+            **operands(layer),
         )
         for layer in range(weights.shape[0])
     ]
@@ -474,7 +495,7 @@ def run_visual(args, stdout) -> int:
     weights = real.weights
     keep = None if not real.causal else real.keep
     maps = layer_maps(real.tokens, weights, model=args.model, text=real.text, lang=args.lang, keep=keep,
-                      title=real.info.title)
+                      title=real.info.title, layers=real.layers)
     layer = default_layer(label_heads(pattern_scores(weights, keep))) if args.layer is None else args.layer
     head = 0 if args.head is None else args.head
     return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)
