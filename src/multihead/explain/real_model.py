@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -51,6 +52,8 @@ __all__ = [
     "model_summary",
     "run",
     "run_visual",
+    "ModelPage",
+    "explain_model",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
@@ -467,13 +470,35 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
     ]
 
 
+def _page_parts(real: RealRun, *, model: str, layer: Optional[int], head: Optional[int], neuron: bool,
+                token: Optional[int], lang: str) -> tuple[list, list, int, int]:
+    """``(maps, fragments, layer, head)`` of a real model's page: every layer's maps with the
+    operands of the worked score (:func:`layer_maps`), the neuron view as a fragment when asked
+    (of ``layer``/``head``, default 0, and ``token``, default the last), and the layer (default
+    :func:`default_layer`) and head (default 0) shown first."""
+    real.check_indices(layer=layer, head=head, token=token)
+    fragments = []
+    if neuron:
+        from .neuron import neuron_fragment, neuron_view
+
+        view = neuron_view(real, _or(layer, 0), _or(head, 0), _or(token, len(real.tokens) - 1))
+        fragments.append(neuron_fragment(view))
+    weights = real.weights
+    keep = None if not real.causal else real.keep
+    maps = layer_maps(real.tokens, weights, model=model, text=real.text, lang=lang, keep=keep,
+                      title=real.info.title, layers=real.layers)
+    start = default_layer(label_heads(pattern_scores(weights, keep))) if layer is None else layer
+    return maps, fragments, start, _or(head, 0)
+
+
 def run_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default
-    :func:`default_layer`) and ``--head`` (default 0); with ``--neuron``, the neuron view of
-    ``--layer``/``--head`` (default 0) and ``--token`` (default the last) as a section of it. png: the heads of that layer in a grid; ``--head`` is refused there, since the grid
-    shows every head.
+    :func:`default_layer`) and ``--head`` (default 0), the score under the pointer worked out
+    from the layer's q and k; with ``--neuron``, the neuron view of ``--layer``/``--head``
+    (default 0) and ``--token`` (default the last) as a section of it. png: the heads of that
+    layer in a grid; ``--head`` is refused there, since the grid shows every head.
     """
     from . import visual
 
@@ -486,16 +511,67 @@ def run_visual(args, stdout) -> int:
         raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
                          "drop --format or add --neuron")
     real = _real(args)
-    fragments = []
-    if neuron:
-        from .neuron import neuron_fragment, neuron_view
-
-        view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
-        fragments.append(neuron_fragment(view))
-    weights = real.weights
-    keep = None if not real.causal else real.keep
-    maps = layer_maps(real.tokens, weights, model=args.model, text=real.text, lang=args.lang, keep=keep,
-                      title=real.info.title, layers=real.layers)
-    layer = default_layer(label_heads(pattern_scores(weights, keep))) if args.layer is None else args.layer
-    head = 0 if args.head is None else args.head
+    maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
+                                               neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
     return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)
+
+
+@dataclass(frozen=True)
+class ModelPage:
+    """A real model's explain page, for Python and notebooks (:func:`explain_model`).
+
+    run: the :class:`~multihead.explain.models.RealRun` shown; page: the whole HTML page (what
+    ``multihead explain --model ... --format html`` writes). In Jupyter it displays inline
+    (``_repr_html_``: the page in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS
+    and language switch stay out of the notebook).
+    """
+
+    run: RealRun
+    page: str
+
+    def html(self) -> str:
+        """The page, to write to a file."""
+        return self.page
+
+    def _repr_html_(self) -> str:
+        from .notebook import iframe
+
+        return iframe(self.page, title=f"multihead: {self.run.info.title}")
+
+
+def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
+                  head: Optional[int] = None, neuron: bool = False, token: Optional[int] = None,
+                  lang: str = "en") -> ModelPage:
+    """``model`` (``"minilm"``, ``"smollm2"`` or a directory transformers loads) on ``text``, as
+    the page ``multihead explain --model`` draws: every layer x head, the worked score on hover,
+    and with ``neuron=True`` the neuron view of ``layer``/``head`` (default 0) and ``token``
+    (default the last) as a section.
+
+    Raises:
+        ValueError: unknown model, empty or too long text, an index out of range, an unknown lang.
+        TypeError: an index that is not an int, or ``neuron`` not a bool.
+        ImportError: the ``hf`` extra or the model's package is missing.
+    """
+    from . import visual
+
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
+    if not isinstance(neuron, bool):
+        raise TypeError(f"neuron must be True or False, got {type(neuron).__name__}")
+    if token is not None and not neuron:
+        raise ValueError("token picks the query of the neuron view: pass neuron=True with it")
+    loaded = _models.load(model)
+    loaded.tokenize(text)  # a too long text is refused before the forward pass
+    for name, value, count, what in (("layer", layer, loaded.info.layers, "layers"),
+                                     ("head", head, loaded.info.heads, "heads")):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= value < count:
+            raise ValueError(f"{name} {value} is out of range: {loaded.title} has {what} 0-{count - 1}")
+    real = loaded.run(text)
+    maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
+                                                token=token, lang=lang)
+    page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+    return ModelPage(real, page)
