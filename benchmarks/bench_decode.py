@@ -9,11 +9,22 @@ attention over all of ``max_len``, the price of fixed shapes) is listed beside i
 tokens step by step with the cache is at least 10x faster than recomputing the full causal
 attention over the whole prefix at every step.
 
-``python -m benchmarks.bench_decode`` runs the decode-step table alone (about a minute).
+The module's q/k/v parameters are rows of one stacked block, which a one-row step projects
+with in one product (see `multihead.module`); "module, three products" is the same module with
+its parameters re-bound to separate tensors (``p.data = p.data.clone()``: what FSDP or
+``load_state_dict(assign=True)`` leave), which projects with three, as before the block existed.
+Prefill (a 256-token prompt into a fresh cache) and a training step (forward + backward) are
+timed for both beside it: they make three products either way, so their ratio shows the block
+costs them nothing.
+
+``python -m benchmarks.bench_decode`` runs these tables alone (about two minutes), naming the
+CPU (model, and whether it has AVX2, AVX-512, AMX).
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import time
 
 import torch
@@ -61,6 +72,36 @@ class RawStep:
         return F.linear(o.transpose(1, 2).reshape(1, 1, self.d), self.w_o, self.b_o)
 
 
+def _three_products(m: multihead.MultiHeadAttention) -> multihead.MultiHeadAttention:
+    """A copy of ``m`` whose q/k/v parameters are separate tensors: no stacked block, so every
+    call projects with three products."""
+    twin = copy.deepcopy(m)
+    for lin in (twin.q_proj, twin.k_proj, twin.v_proj):
+        for p in lin.parameters():
+            p.data = p.data.clone()
+    if twin._packed_now() is not None:  # an invariant of the re-binding above
+        raise RuntimeError("the copy still has its stacked block")
+    return twin
+
+
+def cpu_line() -> str:
+    """The CPU's model name and the vector/matrix extensions that decide its kernels."""
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    avx512 = sorted(f for f in flags if f.startswith("avx512"))
+    amx = sorted(f for f in flags if f.startswith("amx"))
+    return (f"CPU: {h.cpu_model()}; avx2: {'yes' if 'avx2' in flags else 'no'}; "
+            f"avx512: {', '.join(avx512) if avx512 else 'no'}; amx: {', '.join(amx) if amx else 'no'}; "
+            f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
+
+
 def _thread_counts() -> list:
     """The default thread count, and 1: a decode step is a chain of small, memory-bound ops, where
     synchronising threads can cost more than it saves (much more on a loaded machine)."""
@@ -77,20 +118,28 @@ def _step_candidates(d: int, heads: int, cached: int) -> tuple[dict, float]:
     torch.manual_seed(1)
     prompt = torch.randn(1, cached, d)
     x = torch.randn(1, 1, d)
+    three = _three_products(m)
     cache, static = multihead.KVCache(max_len), multihead.StaticKVCache(max_len)
+    cache3 = multihead.KVCache(max_len)
     m(prompt, cache=cache)
     m(prompt, cache=static)
+    three(prompt, cache=cache3)
     raw = RawStep(m, cache.keys, cache.values, max_len)
 
     def module_step():
         cache.length = cached  # rewind, so every call appends token cached + 1
         return m(x, cache=cache)
 
+    def three_step():
+        cache3.length = cached
+        return three(x, cache=cache3)
+
     def static_step():
         static.length = cached
         return m(x, cache=static)
 
-    cands = {"raw": lambda: raw(x), "module": module_step, "module, static cache": static_step}
+    cands = {"raw": lambda: raw(x), "module": module_step, "module, three products": three_step,
+             "module, static cache": static_step}
     ref = raw(x)
     err = max((fn() - ref).abs().max().item() for fn in cands.values())
     return cands, err
@@ -115,6 +164,7 @@ def decode_step(budget: h.Budget) -> tuple[str, dict]:
                     ratios[threads] = r
                 rows.append([f"d={d}, h={heads}, {cached} cached", threads, h.fmt_ms(t["raw"]), h.fmt_ms(t["module"]),
                              h.fmt_ratio(r), "yes" if r <= STEP_TARGET else "**no**",
+                             h.fmt_ratio(t["module, three products"] / t["raw"]),
                              h.fmt_ms(t["module, static cache"]), h.fmt_ratio(t["module, static cache"] / t["raw"])])
             torch.set_num_threads(default_threads)
     text = (
@@ -124,7 +174,52 @@ def decode_step(budget: h.Budget) -> tuple[str, dict]:
         "run eagerly) attends over all of max_len with a mask: the price of shapes that never change, "
         "which is what lets torch.compile keep one graph.\n\n"
         + h.md_table(["size", "torch threads", "raw ops ms", "module ms", "ratio", f"<= {STEP_TARGET}",
-                      "static cache ms", "static / raw"], rows)
+                      "three products / raw", "static cache ms", "static / raw"], rows)
+    )
+    return text, ratios
+
+
+#: (B, L) of the prefill and of the training step, at the target's d and heads
+PREFILL, TRAIN = (1, 256), (4, 128)
+
+
+def prefill_and_training(budget: h.Budget) -> tuple[str, dict]:
+    """The module against its three-product copy, side by side, where both make three products:
+    prefill (eval, no_grad, a fresh KVCache) and a training step (train mode, forward + backward).
+    Returns (markdown, {case: module / three products})."""
+    d, heads, _ = STEP_SIZES[0]
+    m = _layer(d=d, heads=heads)
+    three = _three_products(m)
+    torch.manual_seed(3)
+    prompt = torch.randn(1, PREFILL[1], d)
+    batch = torch.randn(*TRAIN, d)
+
+    def prefill(mod):
+        def run():
+            with torch.no_grad():
+                return mod(prompt, cache=multihead.KVCache(PREFILL[1]))
+        return run
+
+    def train_step(mod):
+        def run():
+            mod.zero_grad(set_to_none=True)
+            mod(batch).square().mean().backward()
+        return run
+
+    rounds, run_s = budget.rounds + 8, budget.min_run_s / 2
+    ratios, rows = {}, []
+    for case, make, mode in (("prefill", prefill, "eval"), ("training step", train_step, "train")):
+        for mod in (m, three):
+            mod.train(mode == "train")
+        t = h.side_by_side({"module": make(m), "three products": make(three)}, rounds, run_s)
+        ratios[case] = r = t["module"] / t["three products"]
+        shape = PREFILL if case == "prefill" else TRAIN
+        rows.append([case, f"B={shape[0]}, L={shape[1]}", h.fmt_ms(t["three products"]), h.fmt_ms(t["module"]),
+                     h.fmt_ratio(r)])
+    text = (
+        f"Prefill and training at d={d}, h={heads}, fp32, {torch.get_num_threads()} thread(s): the module against "
+        f"the same module without its stacked block (min over {rounds} interleaved rounds of {run_s:.2f} s).\n\n"
+        + h.md_table(["case", "shape", "three products ms", "module ms", "module / three products"], rows)
     )
     return text, ratios
 
@@ -179,10 +274,15 @@ def tokens_per_second(budget: h.Budget) -> tuple[str, dict]:
 
 
 def main() -> int:
-    """The decode-step table alone, quick budget (``python -m benchmarks.bench_decode``)."""
-    text, ratios = decode_step(h.Budget.make(quick=True, max_gib=4.0))
-    print(text)
+    """The decode-step, prefill and training tables, quick budget (``python -m benchmarks.bench_decode``)."""
+    budget = h.Budget.make(quick=True, max_gib=4.0)
+    print(cpu_line() + "; load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + "\n")
+    text, ratios = decode_step(budget)
+    print(text + "\n")
+    other, other_ratios = prefill_and_training(budget)
+    print(other + "\n")
     print("module / raw at the target size: " + ", ".join(f"{r:.3f} with {n} thread(s)" for n, r in ratios.items()))
+    print("module / three products: " + ", ".join(f"{case} {r:.3f}" for case, r in other_ratios.items()))
     return 0
 
 

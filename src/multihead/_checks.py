@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
 import torch
 
@@ -185,7 +186,8 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
     Used by :class:`MultiHeadAttention` and :class:`PerHeadAttention`. Inside an autocast region
     the query may differ in dtype from the weights (``nn.Linear`` under autocast returns
     bfloat16 from float32 weights, and the projections autocast both), as with nn.Linear."""
-    check_tensor(query, "query")
+    if not isinstance(query, torch.Tensor) or query.dtype not in _FLOAT_DTYPES:
+        check_tensor(query, "query")  # raises, naming the problem
     if query.dim() == 2:
         raise ValueError(
             f"query has shape {tuple(query.shape)}: MultiHeadAttention is batch-first (B, L, d_in); "
@@ -195,16 +197,21 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
         raise ValueError(f"query must be (B, Lq, d_in), got shape {tuple(query.shape)}")
     if query.shape[-1] != cfg.d_in:
         raise ValueError(f"query has {query.shape[-1]} features but d_in={cfg.d_in}")
-    autocast = autocast_dtype(query.device.type) is not None
-    if query.dtype != weight.dtype and not (autocast and _autocast_mixable(query.dtype, weight.dtype)):
+    q_dtype, q_device = query.dtype, query.device
+    autocast: Optional[bool] = None  # asked only where dtypes differ
+    if q_dtype != weight.dtype:
+        autocast = autocast_dtype(q_device.type) is not None
+    if q_dtype != weight.dtype and not (autocast and _autocast_mixable(q_dtype, weight.dtype)):
         raise TypeError(
             f"query is {query.dtype} but the module's weights are {weight.dtype}; "
             f"call mha.to({query.dtype}) or pass query.to({weight.dtype})"
         )
-    if query.device != weight.device:
+    if q_device != weight.device:
         raise ValueError(
             f"query is on {query.device} but the module is on {weight.device}; move one of them (mha.to(query.device))"
         )
+    if key is query and value is query and cfg.kdim == cfg.d_in and cfg.vdim == cfg.d_in:
+        return  # self-attention: the query's checks above cover key and value
     for t, name, dim, size in ((key, "key", "kdim", cfg.kdim), (value, "value", "vdim", cfg.vdim)):
         if t is query and size == cfg.d_in:
             continue  # self-attention: the query's checks above cover it
@@ -217,7 +224,9 @@ def check_module_inputs(cfg, weight: torch.Tensor, query, key, value) -> None:
             raise ValueError(
                 f"{name} has batch {t.shape[0]} but query has {query.shape[0]}; they must match"
             )
-        mixed = t.dtype != query.dtype and not (autocast and _autocast_mixable(t.dtype, query.dtype))
+        if t.dtype != q_dtype and autocast is None:
+            autocast = autocast_dtype(q_device.type) is not None
+        mixed = t.dtype != q_dtype and not (autocast and _autocast_mixable(t.dtype, q_dtype))
         if mixed or t.device != query.device:
             raise TypeError(
                 f"{name} is {t.dtype} on {t.device} but query is {query.dtype} on {query.device}; "

@@ -345,9 +345,13 @@ class KVCache:
                 f"{type(self).__name__} is for inference, but the keys/values require grad; "
                 "run decoding under torch.no_grad() or torch.inference_mode()"
             )
-        if self.key is None or self._fresh:
+        key, value = self.key, self.value
+        if key is None or value is None or self._fresh:
             return
-        key, value = self._buffers()
+        ks, vs, bs = k.shape, v.shape, key.shape
+        if ks[0] == bs[0] and ks[1] == bs[1] and ks[3] == bs[3] and vs[3] == value.shape[3] \
+                and k.dtype == key.dtype and k.device == key.device:
+            return  # the usual step: the layout of every write before it
         want = (key.shape[0], key.shape[1], key.shape[3], value.shape[3])
         got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
         if got != want:
@@ -355,9 +359,9 @@ class KVCache:
                 f"this cache holds (B, Hkv, D, Dv) = {want} but the new entries have {got}; "
                 "use one cache per layer and per batch, or call cache.reset() first"
             )
-        if k.dtype != self.key.dtype or k.device != self.key.device:
+        if k.dtype != key.dtype or k.device != key.device:
             raise ValueError(
-                f"this cache holds {self.key.dtype} on {self.key.device} but the new entries are "
+                f"this cache holds {key.dtype} on {key.device} but the new entries are "
                 f"{k.dtype} on {k.device}; convert them, or call cache.reset() first"
             )
 
@@ -405,7 +409,9 @@ class KVCache:
             self._allocate(k, v)
         start, n = self.length, k.shape[2]
         end = start + n
-        key, value = self._buffers()
+        key, value = self.key, self.value
+        if key is None or value is None:
+            key, value = self._buffers()  # raises: an invariant (allocated above)
         key.narrow(2, start, n).copy_(k)
         value.narrow(2, start, n).copy_(v)
         self.length = end

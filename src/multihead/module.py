@@ -13,13 +13,39 @@ Data flow of ``mha(x)`` (self-attention), with the step names the trace prints::
       -> merge heads          'b t h d -> b t (h d)'              (B, L, d_out)
       -> output projection    W_O                                 (B, L, d_out)
 
-The projections are the submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, called on
-every forward (three products, not one with [W_q; W_k; W_v]): they are the single source of
-truth, so a weight changed in any way (in place, through ``.data`` or a numpy view, by an
-optimiser, a parametrization or an adapter) is the weight the next call uses, and nothing
-derived from the weights is kept between calls. The seeds' identity "one product with the
-stacked [W_q; W_k; W_v] equals the three separate products" is checked on the real values
-when a trace is recording (the "project Q/K/V" steps).
+The projections are the submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: their
+parameters are the single source of truth, so a weight changed in any way (in place, through
+``.data`` or a numpy view, by an optimiser, a parametrization or an adapter) is the weight the
+next call uses, and nothing derived from the weights is kept between calls.
+
+A decode step of self-attention (one token: a single row, B * Lq = 1) projects with ONE
+product, ``x [W_q; W_k; W_v]ᵀ + [b_q; b_k; b_v]``, split into Q, K, V (views). There the three
+products are matrix-vector products, memory-bound, and one pass over the stacked matrix is what
+the step pays least for (the three take 1.2x its time at d=512, one thread); with more rows the
+products are compute-bound and one stacked product is no faster (at 2-4 rows MKL's choice makes
+it slower), so prefill and training keep the three products they always had.
+
+The stacked matrix is not a copy kept beside the weights. When ``kdim == vdim == d_in``,
+``__init__`` allocates the q/k/v weights (and biases) as adjacent rows of one storage:
+``q_proj.weight`` etc. stay ordinary ``nn.Parameter`` objects (names, ``state_dict`` keys,
+optimisers, parametrizations, hooks unchanged), views of one (d_out + 2 kv_dim, d_in) block that
+IS [W_q; W_k; W_v], whatever is written into the parameters (in place, ``.data`` writes, numpy
+views, optimiser steps, ``load_state_dict``). Each one-row call checks, without copying, that the
+parameters are still set to their rows (``Tensor.is_set_to``: same storage, offset, shape,
+strides); if anything re-bound one (``p.data = t``, ``load_state_dict(assign=True)``, FSDP's flat
+parameters, ...) the block is released and the call makes the three products. Conversions
+that re-allocate the parameters (``.to``, ``.half()``, ``to_empty``, ``copy.deepcopy``,
+unpickling) stack them again (``_apply``, ``__setstate__``).
+
+The block is used only where nothing can go stale or differ: eager calls (not torch.compile,
+where dynamo cannot check storage, nor a JIT trace) in which no gradient can reach the weights
+(``no_grad``, ``inference_mode``, or nothing requires grad), with plain ``nn.Linear``
+projections and no module hooks (their own or global). Otherwise, for a replaced projection (an
+adapter), a parametrized one (weight_norm, LoRA through ``parametrize``), or hooks, each
+projection is its own call (``self.q_proj(query)``, ...) and every hook fires as before.
+``state_dict()`` holds the three weights as views of one storage: ``torch.save`` writes it once,
+and ``safetensors`` accepts them (they do not overlap). The trace's "project Q/K/V" steps check
+on the real values that the one product equals the separate ones.
 
 ``forward`` is the public edge (defaults, input, cache and mask checks); the steps after it are
 small methods of a trusted core, in data-flow order (``_project``, ``_rotate``,
@@ -33,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from operator import attrgetter
-from typing import Literal, Mapping, Optional, Union, overload
+from typing import Literal, Mapping, Optional, Union, cast, overload
 
 import torch
 import torch.nn as nn
@@ -71,22 +97,41 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     return x * cos + rotate_half(x) * sin
 
 
+def _global_hooks() -> bool:
+    """Whether module hooks registered for every module (``register_module_forward_hook``, ...) exist."""
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+
+
+def _own_hooks(lin: nn.Module) -> bool:
+    """Whether ``lin``'s call would run more than its ``forward``: hooks of its own, or a
+    forward replaced on the instance."""
+    return bool(lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks
+                or "forward" in lin.__dict__)
+
+
 def _linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``lin(x)``, the projection's own call. For a plain ``nn.Linear`` with nothing that its
     ``__call__`` would run besides ``forward`` (no hooks of its own or global ones, no forward
     replaced on the instance, no JIT trace; a parametrized or wrapped one is another class) that
     is ``F.linear(x, lin.weight, lin.bias)``, called directly: the same op on the same current
     weights, without nn.Module's per-call dispatch. Anything else is called as a module."""
-    if (
-        type(lin) is nn.Linear
-        and not (lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks)
-        and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-                 or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
-        and "forward" not in lin.__dict__
-        and not torch._C._get_tracing_state()
-    ):
-        return F.linear(x, lin.weight, lin.bias)
+    if type(lin) is nn.Linear and not _own_hooks(lin) and not _global_hooks() and not torch._C._get_tracing_state():
+        ps = lin._parameters  # what lin.weight, lin.bias read, without nn.Module.__getattr__ (~1 us each)
+        w = ps.get("weight")
+        if w is not None and "bias" in ps:
+            return F.linear(x, w, ps["bias"])
     return lin(x)
+
+
+def _grad_may_reach(query: torch.Tensor, *lins: nn.Module) -> bool:
+    """Whether autograd would record a product of ``query`` with these projections' parameters."""
+    return query.requires_grad or any(p.requires_grad for lin in lins for p in lin._parameters.values() if p is not None)
+
+
+#: the stacked block of a module whose q/k/v parameters are its rows: (weight, bias or None,
+#: the six row views (q, k, v weights, then biases) the parameters must still be set to)
+_Packed = tuple[torch.Tensor, Optional[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class MultiHeadAttention(nn.Module):
@@ -176,7 +221,12 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(_resolved(cfg.kdim), cfg.kv_dim, bias=cfg.bias, **factory)
         self.v_proj = nn.Linear(_resolved(cfg.vdim), cfg.kv_dim, bias=cfg.bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
+        self._packed: Optional[_Packed] = None
+        self._pack_qkv()
         self._causal_mask = _masks.causal() if cfg.causal else None
+        # static for the module's life (the config is frozen): read per call, not re-derived
+        self._scale = default_scale(cfg.head_dim)
+        self._sizes = (cfg.num_heads, cfg.kv_dim // cfg.head_dim, d_out, cfg.kv_dim)  # H, Hkv, d_out, kv_dim
         # an nn.MultiheadAttention state_dict (in_proj_weight, ...) loads too
         self.register_load_state_dict_pre_hook(load_torch_state_dict)
 
@@ -229,9 +279,95 @@ class MultiHeadAttention(nn.Module):
         """Re-initialise the four projections as ``nn.Linear`` does (uniform in ±1/sqrt(fan_in)),
         e.g. after building on the meta device and ``to_empty``."""
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            lin.reset_parameters()
+            lin.reset_parameters()  # in place: the q/k/v parameters stay rows of their block
 
-    # ------------------------------------------------------------------ settings
+    # ------------------------------------------------------------------ the stacked [W_q; W_k; W_v] block
+    def _pack_qkv(self) -> None:
+        """Make the q/k/v weights (and biases) adjacent rows of one block, keeping their values
+        and their Parameter objects (``p.data = row view``); a no-op when they already are, or
+        when they cannot be one block (kdim or vdim != d_in, a replaced or parametrized
+        projection, mixed dtypes or devices, a missing bias)."""
+        if self._packed_now() is not None:
+            return
+        self._packed = None
+        cfg = self.config
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if cfg.kdim != cfg.d_in or cfg.vdim != cfg.d_in or not all(type(lin) is nn.Linear for lin in lins):
+            return
+        params = [lin._parameters.get("weight") for lin in lins] + [lin._parameters.get("bias") for lin in lins]
+        present = [p for p in params if p is not None]
+        if len(present) not in (3, 6) or any(p is None for p in params[:3]):
+            return
+        if len({(p.dtype, p.device) for p in present}) != 1:
+            return
+        rows = [lin.out_features for lin in lins]
+        with torch.no_grad():
+            weight = torch.cat([p.detach() for p in present[:3]])
+            bias = torch.cat([p.detach() for p in present[3:]]) if len(present) == 6 else None
+        views = weight.split(rows) + (bias.split(rows) if bias is not None else ())
+        for p, view in zip(present, views):
+            p.data = view
+        self._packed = (weight, bias, views)
+
+    def _packed_now(self) -> Optional[_Packed]:
+        """The block, if every q/k/v parameter is still set to its row of it (same storage,
+        offset, shape and strides), else None. Anything that re-bound a parameter (``p.data =``,
+        a conversion, ``load_state_dict(assign=True)``) makes this None."""
+        packed = self._packed
+        if packed is None or packed[0].is_meta:  # meta tensors cannot say where they are (and compute nothing)
+            return None
+        views = packed[2]
+        mods = cast("dict[str, nn.Module]", self._modules)
+        params = (mods["q_proj"]._parameters, mods["k_proj"]._parameters, mods["v_proj"]._parameters)
+        for i, ps in enumerate(params):
+            w = ps.get("weight")
+            if w is None or not w.is_set_to(views[i]):
+                return None
+        if packed[1] is not None:
+            for i, ps in enumerate(params):
+                b = ps.get("bias")
+                if b is None or not b.is_set_to(views[3 + i]):
+                    return None
+        elif any(ps.get("bias") is not None for ps in params):
+            return None
+        return packed
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .half(), .cuda(), to_empty, ... re-allocate the parameters: stack them again
+        out = super()._apply(fn, recurse)
+        self._pack_qkv()
+        return out
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_packed"] = None  # copy.deepcopy and pickle copy the parameters one by one ...
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pack_qkv()  # ... so their copies are stacked again
+
+    def _stacked_qkv(self, query: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """([W_q; W_k; W_v], [b_q; b_k; b_v] or None), the block the q/k/v parameters are rows
+        of, for a one-row self-attention call that may use it (see the module docstring); else
+        None: three products."""
+        # torch.compile first: dynamo folds it to True, and never reads the block
+        if torch.compiler.is_compiling() or self._packed is None or query.numel() != query.shape[-1]:
+            return None
+        mods = cast("dict[str, nn.Module]", self._modules)  # self.q_proj: nn.Module.__getattr__, ~1 us a name
+        q_lin, k_lin, v_lin = mods["q_proj"], mods["k_proj"], mods["v_proj"]
+        if torch.is_grad_enabled() and _grad_may_reach(query, q_lin, k_lin, v_lin):
+            return None
+        if not (type(q_lin) is nn.Linear and type(k_lin) is nn.Linear and type(v_lin) is nn.Linear) \
+                or _own_hooks(q_lin) or _own_hooks(k_lin) or _own_hooks(v_lin) \
+                or _global_hooks() or torch._C._get_tracing_state():
+            return None
+        packed = self._packed_now()
+        if packed is None:
+            self._packed = None  # a parameter was re-bound: release the old block's memory
+            return None
+        return packed[0], packed[1]
+
     @property
     def batch_first(self) -> bool:
         """Always True: inputs and outputs are (B, L, features), as nn.MultiheadAttention(batch_first=True)."""
@@ -273,9 +409,10 @@ class MultiHeadAttention(nn.Module):
     def _weights_like(self, query: torch.Tensor) -> torch.Tensor:
         """A tensor with the projections' dtype and device: q_proj's weight, without evaluating a
         parametrization (its first parameter then), or ``query`` for a q_proj without parameters."""
-        w: Optional[torch.Tensor] = self.q_proj._parameters.get("weight")
+        q_lin = cast(nn.Module, self._modules["q_proj"])
+        w: Optional[torch.Tensor] = q_lin._parameters.get("weight")
         if w is None:
-            w = next(self.q_proj.parameters(), query)
+            w = next(q_lin.parameters(), query)
         return w
 
     def _check_inputs(self, query, key, value) -> None:
@@ -327,6 +464,8 @@ class MultiHeadAttention(nn.Module):
     def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True, dtype=None):
         """The call's mask checked against (B, H, Lq, Lk), combined with the module's causal mask
         (unless ``causal=False``: with a cache, the cache's own mask says what each token sees)."""
+        if mask is None and (not causal or self._causal_mask is None or lq == 1):
+            return None  # the common decode step: nothing to check or combine
         m = _masks.as_mask(mask)
         if m is not None:
             m.check((batch, self.config.num_heads, lq, lk), device, dtype=dtype)
@@ -422,23 +561,30 @@ class MultiHeadAttention(nn.Module):
     def _project(self, query, key, value, tr) -> tuple:
         """Q (B, H, Lq, D), K (B, Hkv, Lk, D), V (B, Hkv, Lk, Dv): the projections, then the head split.
 
-        The projections are the submodules' own calls (``self.q_proj(query)``, ...), so their
-        current weights, parametrizations, hooks and replacements are what runs: nothing is cached.
+        Self-attention: one product with the stacked weights, split into Q, K, V (views); else,
+        or when a projection must run as its own call, three calls (``self.q_proj(query)``, ...).
+        Either way the current weights, parametrizations and hooks are what runs: nothing is kept.
         """
-        cfg = self.config
-        q, k, v = _linear(self.q_proj, query), _linear(self.k_proj, key), _linear(self.v_proj, value)
+        heads, kv_heads, d_out, kv_dim = self._sizes
+        stacked = self._stacked_qkv(query) if key is query and value is query else None
+        if stacked is not None:
+            qkv = F.linear(query, stacked[0], stacked[1])  # (B, 1, d_out + 2 kv_dim)
+            if tr is None:  # the heads of Q, K, V at once: one view of all H + 2 Hkv heads, then split
+                return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
+            q, k, v = qkv.split_with_sizes((d_out, kv_dim, kv_dim), dim=-1)
+        else:
+            mods = cast("dict[str, nn.Module]", self._modules)
+            q, k, v = _linear(mods["q_proj"], query), _linear(mods["k_proj"], key), _linear(mods["v_proj"], value)
         if tr is not None:
-            self._record_projections(tr, (q, k, v), (query, key, value))
-        return (
-            _split_heads(q, cfg.num_heads, tr, "Q"),
-            _split_heads(k, _resolved(cfg.num_kv_heads), tr, "K"),
-            _split_heads(v, _resolved(cfg.num_kv_heads), tr, "V"),
-        )
+            self._record_projections(tr, (q, k, v), (query, key, value), stacked is not None)
+        return _split_heads(q, heads, tr, "Q"), _split_heads(k, kv_heads, tr, "K"), _split_heads(v, kv_heads, tr, "V")
 
-    def _record_projections(self, tr, outs: tuple, inputs: tuple) -> None:
+    def _record_projections(self, tr, outs: tuple, inputs: tuple, one_product: bool = False) -> None:
         """Trace the three projections, with the seeds' claim checked on the real values: when
         the inputs are shared, one product with the stacked weights [W_q; W_k; W_v] (or
-        [W_k; W_v]) gives the same Q, K, V as the separate products the module computed."""
+        [W_k; W_v]) gives the same Q, K, V as the separate products. ``one_product``: the module
+        computed the one product (then the separate products are computed here to compare),
+        else it computed the separate ones (then the stacked product is)."""
         query, key, value = inputs
         linears = (self.q_proj, self.k_proj, self.v_proj)
         stacked: tuple[int, ...]
@@ -450,20 +596,23 @@ class MultiHeadAttention(nn.Module):
             stacked, fused_as = (), None
         if not all(isinstance(linears[i], nn.Linear) for i in stacked):
             stacked, fused_as = (), None  # a replaced projection (an adapter, ...) is no longer one matrix
-        fused = {}
+        other = {}
         if stacked:
             with torch.no_grad():
-                ws = [linears[i].weight for i in stacked]
-                bias = torch.cat([linears[i].bias for i in stacked]) if self.config.bias else None
-                parts = F.linear(inputs[stacked[0]], torch.cat(ws), bias).split([w.shape[0] for w in ws], dim=-1)
-            fused = dict(zip(stacked, parts))
+                if one_product:
+                    other = {i: F.linear(inputs[i], linears[i].weight, linears[i].bias) for i in stacked}
+                else:
+                    ws = [linears[i].weight for i in stacked]
+                    bias = torch.cat([linears[i].bias for i in stacked]) if self.config.bias else None
+                    parts = F.linear(inputs[stacked[0]], torch.cat(ws), bias).split([w.shape[0] for w in ws], dim=-1)
+                    other = dict(zip(stacked, parts))
         for i, (name, t) in enumerate(zip("QKV", outs)):
             checks = {}
-            if i in fused:
-                checks["equals its own separate product"] = torch.allclose(fused[i], t, rtol=1e-4, atol=1e-5)
+            if i in other:
+                checks["equals its own separate product"] = torch.allclose(other[i], t, rtol=1e-4, atol=1e-5)
             tr.record(_steps.PROJECT, t, role=name, axes=("b", "t", "d_out" if name == "Q" else "d_kv"), checks=checks,
                       params={"f_in": inputs[i].shape[-1], "bias": getattr(linears[i], "bias", None) is not None,
-                              "fused": fused_as if i in fused else None})
+                              "fused": fused_as if i in other else None})
 
     def _rotate(self, q, k, positions, tr, *, bound: Optional[int] = None) -> tuple:
         """q, k rotated (RoPE) for ``positions``: an int offset (tokens at offset, offset + 1, ...),
@@ -510,14 +659,14 @@ class MultiHeadAttention(nn.Module):
         """(out (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None) for a checked mask ``m``."""
         cfg = self.config
         dropout_p = cfg.dropout if self.training else 0.0
-        scale = default_scale(cfg.head_dim)
+        scale = self._scale
         if return_weights:
             return _functional.attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
         return _functional._attend(q, k, v, m, scale, dropout_p, cfg.backend, tr), None
 
     def _merge_output(self, o, tr) -> torch.Tensor:
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
-        out = _linear(self.out_proj, _merge_heads(o, tr))
+        out = _linear(cast(nn.Module, self._modules["out_proj"]), _merge_heads(o, tr))
         if tr is not None:
             tr.record(_steps.OUTPUT_PROJECTION, out, params={
                 "f_in": o.shape[1] * o.shape[3], "bias": getattr(self.out_proj, "bias", None) is not None})

@@ -76,9 +76,9 @@ from .. import steps as _steps
 from .. import trace as _trace
 from .. import masks as _masks
 from .._checks import check_positive_int
+from .._numerics import compute_dtype
 from ..masks import Mask, MaskLike, _tile, as_mask
 from . import Backend, Call, register
-from .reference import compute_dtype
 
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
     from torch.nn.attention.flex_attention import BlockMask

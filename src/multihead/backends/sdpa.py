@@ -173,9 +173,12 @@ def _why_math(call: Call, attn_mask) -> str:
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
 ) -> torch.Tensor:
-    attn_mask, is_causal = sdpa_mask_args(
-        mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), device=q.device, dtype=q.dtype
-    )
+    if mask is None:  # no mask to build (a decode step)
+        attn_mask, is_causal = None, False
+    else:
+        attn_mask, is_causal = sdpa_mask_args(
+            mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), device=q.device, dtype=q.dtype
+        )
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
@@ -211,14 +214,22 @@ def refuses_score_kinds(mask: Optional[Mask]) -> Optional[str]:
     return None
 
 
+#: the most bytes per score an SDPA call can build, for the widest compute dtype (float64): a
+#: bool mask and its float copy, and the math kernel's scores with a backward and dropout
+_MOST_BYTES_PER_SCORE = 1 + 8 + 8 * (MATH_SCORE_COPIES + 2)
+
+
 def _auto_declines(call: Call) -> Optional[str]:
+    q_shape = call.q.shape
+    scores = q_shape[0] * q_shape[1] * q_shape[2] * call.k.shape[2]
+    if scores * _MOST_BYTES_PER_SCORE <= DENSE_MASK_BUDGET_BYTES:
+        return None  # within the budget whatever the dtype, mask and kernel (every decode step): plan nothing
     if call.q.device.type == "meta":
         return None  # a meta tensor allocates nothing: no budget to keep
     budget = DENSE_MASK_BUDGET_BYTES
     c = compute_dtype(call.q.dtype).itemsize
-    # the most an SDPA call of this size can build per score: a bool mask and its float copy,
-    # and the math kernel's scores with a backward and dropout; within the budget, plan nothing
-    if math.prod((*call.q.shape[:3], call.k.shape[2])) * (1 + c + c * (MATH_SCORE_COPIES + 2)) <= budget:
+    # the most an SDPA call of this size can build per score in its own dtype
+    if scores * (1 + c + c * (MATH_SCORE_COPIES + 2)) <= budget:
         return None
     if call.under_compile:
         return _dense_mask_over_budget(call, budget)

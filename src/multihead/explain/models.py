@@ -464,8 +464,13 @@ def _register() -> None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
-@functools.lru_cache(maxsize=4)
 def _load(model: str) -> RealModel:
+    """The model of a name of :data:`MODELS` (kept for the process: there are few) or of a
+    resolved directory (the last few kept, so that many small models do not pile up)."""
+    return _load_named(model) if model in MODELS else _load_directory(model)
+
+
+def _open(model: str) -> RealModel:
     from transformers.utils import logging as hf_logging
 
     _register()
@@ -506,6 +511,16 @@ def _load(model: str) -> RealModel:
         # transformers refuses a custom attention implementation for models without the interface
         raise ModelError(f"--model {model}: its attention cannot run through multihead "
                          f"({str(e).splitlines()[0][:160]})") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _load_named(model: str) -> RealModel:
+    return _open(model)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_directory(path: str) -> RealModel:
+    return _open(path)
 
 
 def load(model: str) -> RealModel:
