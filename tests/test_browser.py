@@ -442,3 +442,100 @@ def test_a_packed_documents_page_draws_the_block_mask_and_the_softcap_step(open_
     after = w.trace.select("score_mod")[0].tensor[0, 0]
     first_row = card.locator("table.values tr").nth(0).locator("td").all_inner_texts()
     assert [float(t) for t in first_row] == pytest.approx(after[0].tolist(), abs=5e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_page(tmp_path_factory):
+    """``multihead explain --model DIR --format html --neuron`` on a tiny random Llama (4 query
+    heads sharing 2 kv heads, RoPE), as the CLI writes it; with the run it showed."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import tiny_hf
+
+    from multihead.cli import main
+    from multihead.explain import models
+
+    tmp = tmp_path_factory.mktemp("tiny-llama")
+    path = tiny_hf.save_tiny("llama", tmp / "model")
+    out = tmp / "page.html"
+    argv = ["explain", "--model", path, "--text", tiny_hf.SENTENCE, "--format", "html", "--out", str(out),
+            "--neuron", "--layer", "1", "--head", "3", "--token", "4"]
+    assert main(argv, stdout=open(tmp / "stdout", "w")) == 0
+    return out.read_text(encoding="utf-8"), models.load(path).run(tiny_hf.SENTENCE)
+
+
+def test_real_model_hover_works_the_models_score_out(open_page, tiny_llama_page):
+    """On a real model's page the hovered score is worked out from the q and k the layer passed to
+    the attention function (after RoPE, keys per kv head): the sum is the float64 dot product of
+    those float32 vectors, and scaled it is the score the panel shows (the model's float32 q kᵀ
+    times the scale) within float32's rounding of a D-term dot product."""
+    import torch
+
+    text, real = tiny_llama_page
+    page, events, url = open_page(text)
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.eval_on_selector("#batch-select", "e => e.value") == "1"
+    assert page.eval_on_selector("#head-select", "e => e.value") == "3"
+    assert page.is_visible("#panel-scores")
+    rec = real.layers[1]
+    _hover(page, '#heat-scores .cell[data-q="4"][data-k="2"]')
+    box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset, {hidden: e.hidden})")
+    assert (box["hidden"], box["head"], box["q"], box["k"]) == (False, "3", "4", "2")
+    q, k = rec.q[3, 4].double(), rec.k[3 // 2, 2].double()      # head 3 reads kv head 1
+    terms = q * k
+    expected = sum(terms.tolist())                              # the page's order, in float64
+    D = q.numel()
+    assert int(box["terms"]) == D == 16
+    assert float(box["sum"]) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert float(box["scaled"]) == pytest.approx(expected * rec.scale, rel=1e-12, abs=1e-15)
+    shown = page.eval_on_selector('#heat-scores .cell[data-q="4"][data-k="2"]', "e => Number(e.dataset.v)")
+    model_score = rec.scores[3:4, 4, 2].float() * rec.scale
+    assert torch.equal(torch.tensor([shown], dtype=torch.float32), model_score)   # the model's float32 score, exactly
+    # float32 q·k of D terms: |error| <= D eps32 Σ|q_d k_d| (the recursive-summation bound), then one rounding of the scale
+    bound = (D * torch.finfo(torch.float32).eps * terms.abs().sum().item()) * rec.scale + torch.finfo(torch.float32).eps * abs(shown)
+    assert abs(float(box["scaled"]) - shown) <= bound
+    # the q on the page is the rotated one: q_proj rotated by the model's own cos/sin
+    half = D // 2
+    qp = rec.q_proj[3, 4].double()
+    rotated = qp * rec.cos[4].double() + torch.cat([-qp[half:], qp[:half]]) * rec.sin[4].double()
+    assert torch.allclose(rotated, q, rtol=0, atol=8 * torch.finfo(torch.float32).eps * rotated.abs().max().item())
+    assert not torch.allclose(qp, q)
+    # causal: a key after the query is worked out, then blocked
+    _hover(page, '#heat-scores .cell[data-q="1"][data-k="5"]')
+    assert "\u2212\u221e" in page.inner_text("#worked-text")
+    assert events["console_errors"] == []
+
+
+def test_neuron_section_shows_the_neuron_views_numbers_in_both_languages(open_page, tiny_llama_page):
+    from multihead.explain.i18n import word
+    from multihead.explain.neuron import neuron_view
+
+    text, real = tiny_llama_page
+    view = neuron_view(real, 1, 3, 4)
+    page, events, url = open_page(text)
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert page.locator("section#neuron").count() == 1
+    heading_en = page.inner_text("section#neuron h2")
+    assert heading_en == word("neuron.section", "en")
+    visible = 'section#neuron div[data-l="en"] tr.key'
+    rows = page.eval_on_selector_all(visible, "els => els.map(e => Array.from(e.querySelectorAll('td.num'), td => td.textContent.trim()))")
+    keys = view.keep.nonzero().flatten().tolist()
+    assert keys == [0, 1, 2, 3, 4] and len(rows) == len(keys)   # causal: token 4 sees keys 0-4
+    for j, (dot, scaled, weight) in zip(keys, rows):
+        assert dot == f"{view.dots[j].item():+.3f}" and scaled == f"{view.scaled[j].item():+.3f}"
+        assert weight == f"{view.weights[j].item():.3f}"
+    assert page.locator('section#neuron tr.blocked').count() == 2 * 2   # keys 5 and 6, in each language
+    title_en = word("neuron.title", "en", model=view.model, layer=1, head=3, token=4, tok=view.tokens[4])
+    assert page.is_visible('section#neuron div[data-l="en"] h3') and page.inner_text("section#neuron .mh-neuron h3:visible") == title_en
+    assert page.is_hidden('section#neuron div[data-l="zh"] h3')
+    page.click("#lang-toggle")
+    try:
+        assert page.inner_text("section#neuron h2") == word("neuron.section", "zh") != heading_en
+        assert page.is_hidden('section#neuron div[data-l="en"] h3') and page.is_visible('section#neuron div[data-l="zh"] h3')
+        zh_rows = page.eval_on_selector_all('section#neuron div[data-l="zh"] tr.key',
+                                            "els => els.map(e => Array.from(e.querySelectorAll('td.num'), td => td.textContent.trim()))")
+        assert zh_rows == rows   # the same numbers, other words
+        assert "第 3 个头读取第 1 个键/值头" in page.inner_text('section#neuron div[data-l="zh"]')
+    finally:
+        page.click("#lang-toggle")
+    assert events["console_errors"] == []

@@ -53,10 +53,31 @@ def _module_and_input():
     return mha, torch.randn(1, 3, 8)
 
 
+#: a real model's page with its neuron view (layer 1, head 3, query token 4), on the tiny random
+#: Llama of tests/tiny_hf.py saved at {path!r}: 4 query heads sharing 2 kv heads, RoPE
+MODEL_CELL = """\
+from multihead.explain.real_model import explain_model
+page = explain_model({path!r}, {text!r}, layer=1, head=3, neuron=True, token=4)
+page"""
+
+
+def _has_hf() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "tokenizers"))
+
+
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    """The notebook of CELLS, run by a fresh ipykernel on this checkout's src."""
+    """The notebook of CELLS (and MODEL_CELL when transformers is installed), run by a fresh
+    ipykernel on this checkout's src."""
     tmp = tmp_path_factory.mktemp("notebook")
+    cells = list(CELLS)
+    if _has_hf():
+        import tiny_hf
+
+        path = tiny_hf.save_tiny("llama", tmp / "tiny-llama")
+        cells.append(MODEL_CELL.format(path=path, text=tiny_hf.SENTENCE))
     spec = tmp / "jupyter" / "kernels" / "mh-test"
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
@@ -69,7 +90,7 @@ def executed(tmp_path_factory):
     mp.setenv("JUPYTER_RUNTIME_DIR", str(tmp / "runtime"))
     mp.setenv("JUPYTER_DATA_DIR", str(tmp / "data"))
     try:
-        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
         client = nbclient.NotebookClient(nb, kernel_name="mh-test", timeout=120, resources={"metadata": {"path": str(tmp)}})
         client.execute()
     finally:
@@ -152,3 +173,37 @@ def test_a_trace_too_long_for_heat_maps_still_shows_its_steps():
     with torch.no_grad(), multihead.trace() as tr:
         mha(torch.randn(1, 64, 8))
     assert len(_data(_page_in(trace_html(tr)))["maps"]) == 1
+
+
+def test_a_real_models_page_and_neuron_view_display_inline(executed):
+    """``explain_model(DIR, text, neuron=True)`` in a cell: the page in its isolated frame, with
+    the model's weights on every layer, the worked score's operands (q after RoPE, keys per kv
+    head) and the neuron view's numbers, the same as this process computes from the saved model."""
+    if len(executed.cells) == len(CELLS):
+        pytest.skip("transformers and tokenizers are in the hf extra: pip install -e '.[hf]'")
+    import tiny_hf
+
+    from multihead.explain import models
+    from multihead.explain.neuron import neuron_view
+
+    source = executed.cells[len(CELLS)].source
+    path = re.search(r"explain_model\('([^']+)'", source)[1]
+    real = models.load(path).run(tiny_hf.SENTENCE)
+    page = _page_in(_html_output(executed.cells[len(CELLS)]))
+    data = _data(page)
+    assert data["group"] == "layer" and (data["start"], data["head"]) == (1, 3)
+    assert len(data["maps"]) == 2
+    for m, rec in zip(data["maps"], real.layers):
+        assert torch.equal(torch.tensor(m["weights"], dtype=torch.float32), rec.weights.float())
+        assert torch.equal(torch.tensor(m["q"], dtype=torch.float32), rec.q.float())    # after RoPE
+        assert torch.equal(torch.tensor(m["k"], dtype=torch.float32), rec.k.float())    # (Hkv = 2, L, D)
+        assert m["scale"] == rec.scale
+    view = neuron_view(real, 1, 3, 4)
+    section = re.search(r'<section id="neuron">(.*?)</section>', page, re.S)
+    assert section is not None
+    nums = re.findall(r'<td class="num(?: w)?">([^<]*?)\s*(?:<|$)', section[1])
+    visible = view.keep.nonzero().flatten().tolist()
+    expected = [x for j in visible for x in (f"{view.dots[j].item():+.3f}", f"{view.scaled[j].item():+.3f}",
+                                             f"{view.weights[j].item():.3f}")]
+    assert nums == expected * 2    # the English and the Chinese copy, one shown by the language switch
+    assert 'data-l="zh"' in section[1] and "第 3 个头读取第 1 个键/值头" in section[1]

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,7 +36,7 @@ from ..trace import Trace
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
-from .models import ModelError, RealRun
+from .models import LayerRecord, ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "model_summary",
     "run",
     "run_visual",
+    "ModelPage",
+    "explain_model",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
@@ -417,15 +420,26 @@ def default_layer(labels) -> int:
 
 
 def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm", text: str = "",
-               lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None) -> list:
+               lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None,
+               layers: Optional[Sequence[LayerRecord]] = None) -> list:
     """One :class:`~multihead.explain.visual.HeadMaps` per layer, for the visual formats.
 
     weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes; keep:
     (layers, H, L, L) bool, the masks (None: all visible). Each head is labelled with its pattern
     (:func:`label_heads`) and that pattern's score, in English and Chinese; the title names the
     model (``title``, default the registry's name of ``model``), the layer and ``text`` (in ``lang``).
+
+    layers: the run's :class:`~multihead.explain.models.LayerRecord` per layer (``RealRun.layers``),
+    or None. With them each map also carries the scaled scores (scale × the q kᵀ multihead
+    computed) and their operands, the queries (H, L, D) and the keys per kv head (Hkv, L, D) the
+    layer passed to the attention function (after the rotary embedding for a Llama-family model),
+    with the scale, so the page works the score under the pointer out by hand. A layer that adds
+    a bias to its scores gets no operands (q·k × scale is not its score).
     """
     from .visual import HeadMaps
+
+    if layers is not None and len(layers) != weights.shape[0]:
+        raise ValueError(f"layers has {len(layers)} records but weights have {weights.shape[0]} layers")
 
     scores = pattern_scores(weights, keep)
     labels = label_heads(scores)
@@ -435,24 +449,56 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
         p = labels[layer][head]
         return pattern_name(p, lang_, tokens) + (f" {float(scores[p.key][layer, head]):.2f}" if p is not None else "")
 
+    def operands(layer: int) -> dict:
+        if layers is None:
+            return {}
+        rec = layers[layer]
+        scaled = rec.scores.float() * rec.scale
+        if rec.bias is not None:
+            return {"scores": scaled + rec.bias}
+        return {"scores": scaled, "q": rec.q.float(), "k": rec.k.float(), "scale": rec.scale}
+
     return [
         HeadMaps(
             weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
             title=_t("layer_title", lang, model=name, layer=layer, text=text),
             keep=None if keep is None else keep[layer],
             head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
+            **operands(layer),
         )
         for layer in range(weights.shape[0])
     ]
+
+
+def _page_parts(real: RealRun, *, model: str, layer: Optional[int], head: Optional[int], neuron: bool,
+                token: Optional[int], lang: str) -> tuple[list, list, int, int]:
+    """``(maps, fragments, layer, head)`` of a real model's page: every layer's maps with the
+    operands of the worked score (:func:`layer_maps`), the neuron view as a fragment when asked
+    (of ``layer``/``head``, default 0, and ``token``, default the last), and the layer (default
+    :func:`default_layer`) and head (default 0) shown first."""
+    real.check_indices(layer=layer, head=head, token=token)
+    fragments = []
+    if neuron:
+        from .neuron import neuron_fragment, neuron_view
+
+        view = neuron_view(real, _or(layer, 0), _or(head, 0), _or(token, len(real.tokens) - 1))
+        fragments.append(neuron_fragment(view))
+    weights = real.weights
+    keep = None if not real.causal else real.keep
+    maps = layer_maps(real.tokens, weights, model=model, text=real.text, lang=lang, keep=keep,
+                      title=real.info.title, layers=real.layers)
+    start = default_layer(label_heads(pattern_scores(weights, keep))) if layer is None else layer
+    return maps, fragments, start, _or(head, 0)
 
 
 def run_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default
-    :func:`default_layer`) and ``--head`` (default 0); with ``--neuron``, the neuron view of
-    ``--layer``/``--head`` (default 0) and ``--token`` (default the last) as a section of it. png: the heads of that layer in a grid; ``--head`` is refused there, since the grid
-    shows every head.
+    :func:`default_layer`) and ``--head`` (default 0), the score under the pointer worked out
+    from the layer's q and k; with ``--neuron``, the neuron view of ``--layer``/``--head``
+    (default 0) and ``--token`` (default the last) as a section of it. png: the heads of that
+    layer in a grid; ``--head`` is refused there, since the grid shows every head.
     """
     from . import visual
 
@@ -465,16 +511,67 @@ def run_visual(args, stdout) -> int:
         raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
                          "drop --format or add --neuron")
     real = _real(args)
-    fragments = []
-    if neuron:
-        from .neuron import neuron_fragment, neuron_view
-
-        view = neuron_view(real, _or(args.layer, 0), _or(args.head, 0), _or(args.token, len(real.tokens) - 1))
-        fragments.append(neuron_fragment(view))
-    weights = real.weights
-    keep = None if not real.causal else real.keep
-    maps = layer_maps(real.tokens, weights, model=args.model, text=real.text, lang=args.lang, keep=keep,
-                      title=real.info.title)
-    layer = default_layer(label_heads(pattern_scores(weights, keep))) if args.layer is None else args.layer
-    head = 0 if args.head is None else args.head
+    maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
+                                               neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
     return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)
+
+
+@dataclass(frozen=True)
+class ModelPage:
+    """A real model's explain page, for Python and notebooks (:func:`explain_model`).
+
+    run: the :class:`~multihead.explain.models.RealRun` shown; page: the whole HTML page (what
+    ``multihead explain --model ... --format html`` writes). In Jupyter it displays inline
+    (``_repr_html_``: the page in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS
+    and language switch stay out of the notebook).
+    """
+
+    run: RealRun
+    page: str
+
+    def html(self) -> str:
+        """The page, to write to a file."""
+        return self.page
+
+    def _repr_html_(self) -> str:
+        from .notebook import iframe
+
+        return iframe(self.page, title=f"multihead: {self.run.info.title}")
+
+
+def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
+                  head: Optional[int] = None, neuron: bool = False, token: Optional[int] = None,
+                  lang: str = "en") -> ModelPage:
+    """``model`` (``"minilm"``, ``"smollm2"`` or a directory transformers loads) on ``text``, as
+    the page ``multihead explain --model`` draws: every layer x head, the worked score on hover,
+    and with ``neuron=True`` the neuron view of ``layer``/``head`` (default 0) and ``token``
+    (default the last) as a section.
+
+    Raises:
+        ValueError: unknown model, empty or too long text, an index out of range, an unknown lang.
+        TypeError: an index that is not an int, or ``neuron`` not a bool.
+        ImportError: the ``hf`` extra or the model's package is missing.
+    """
+    from . import visual
+
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
+    if not isinstance(neuron, bool):
+        raise TypeError(f"neuron must be True or False, got {type(neuron).__name__}")
+    if token is not None and not neuron:
+        raise ValueError("token picks the query of the neuron view: pass neuron=True with it")
+    loaded = _models.load(model)
+    loaded.tokenize(text)  # a too long text is refused before the forward pass
+    for name, value, count, what in (("layer", layer, loaded.info.layers, "layers"),
+                                     ("head", head, loaded.info.heads, "heads")):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= value < count:
+            raise ValueError(f"{name} {value} is out of range: {loaded.title} has {what} 0-{count - 1}")
+    real = loaded.run(text)
+    maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
+                                                token=token, lang=lang)
+    page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+    return ModelPage(real, page)
