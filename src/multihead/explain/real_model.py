@@ -335,7 +335,8 @@ def layer_trace(real: RealRun, layer: int) -> Trace:
     if not bool(rec.keep.all()):
         kinds = ("causal",) if rec.causal else ("keep",)
         tr.record(steps.MASK, scaled.masked_fill(~rec.keep, float("-inf"))[None],
-                  params={"kinds": kinds, "code": "masks.causal()" if rec.causal else "masks.keep(mask)"},
+                  params={"kinds": kinds, "parts": tuple({"kind": k} for k in kinds), "sink": False,
+                          "code": "masks.causal()" if rec.causal else "masks.keep(mask)"},
                   extras={"keep": rec.keep[None]})
     tr.record(steps.SOFTMAX, rec.weights[None])
     tr.record(steps.WEIGHTED_SUM, rec.out[None], params={"lk": L})
