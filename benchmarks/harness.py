@@ -5,7 +5,10 @@ side in one process, interleaved in rounds (A, B, C, then B, C, A, ...: each rou
 next candidate), and each candidate's time is
 the **minimum over rounds of the round's median**: on a shared machine other processes only ever
 add time, so the least disturbed round is the best estimate of the cost itself. Ratios are
-formed from those figures.
+formed from those figures, except where a benchmark asks for :func:`paired_ratios`: the median
+over rounds of each round's own ratio, for small calls whose ratio moves with the machine's
+state (a decode step's Python overhead grows more than its tensor work on a busy machine, and
+two minima may come from rounds of different states).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -86,6 +90,26 @@ def side_by_side(cands: dict, rounds: int, min_run_s: float) -> dict:
         for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts elsewhere
             best[name] = min(best[name], time_call(cands[name], min_run_s))
     return best
+
+
+def paired_ratios(cands: dict, base: str, rounds: int, min_run_s: float) -> tuple[dict, dict]:
+    """({name: seconds}, {name: time / time of ``base``}) for callables measured interleaved in
+    ``rounds`` rounds: the seconds as in :func:`side_by_side`, the ratio the median over rounds
+    of the ratio within each round (each candidate timed back to back with the others, so a
+    disturbance that slows a whole round cancels out of its ratios)."""
+    for fn in cands.values():
+        fn()
+    best = {name: float("inf") for name in cands}
+    per_round: dict = {name: [] for name in cands}
+    names = list(cands)
+    for r in range(rounds):
+        t = {}
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t[name] = time_call(cands[name], min_run_s)
+            best[name] = min(best[name], t[name])
+        for name in names:
+            per_round[name].append(t[name] / t[base])
+    return best, {name: statistics.median(v) for name, v in per_round.items()}
 
 
 # ----------------------------------------------------------------------------- the machine

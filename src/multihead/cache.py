@@ -407,18 +407,26 @@ class KVCache:
         self._writable()
         if self._fresh:
             self._allocate(k, v)
+        n = k.shape[2]
+        keys, values = self._store(k, v)
+        mask = None if self.keep is None else _masks.key_padding(self.keep[:, :self.length])
+        if n > 1:  # a single new token sees every key: no causal mask needed
+            mask = _CAUSAL if mask is None else _CAUSAL & mask
+        return keys, values, mask
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v copied in after the cached tokens, into buffers known to fit them (what `_write`
+        checked and allocated; `multihead.decode_step` guards the same facts); returns the
+        filled part of the buffers, (B, Hkv, length, D) and (B, Hkv, length, Dv)."""
         start, n = self.length, k.shape[2]
         end = start + n
         key, value = self.key, self.value
         if key is None or value is None:
-            key, value = self._buffers()  # raises: an invariant (allocated above)
+            key, value = self._buffers()  # raises: an invariant (allocated before any store)
         key.narrow(2, start, n).copy_(k)
         value.narrow(2, start, n).copy_(v)
         self.length = end
-        mask = None if self.keep is None else _masks.key_padding(self.keep[:, :end])
-        if n > 1:  # a single new token sees every key: no causal mask needed
-            mask = _CAUSAL if mask is None else _CAUSAL & mask
-        return key.narrow(2, 0, end), value.narrow(2, 0, end), mask
+        return key.narrow(2, 0, end), value.narrow(2, 0, end)
 
 
 class StaticKVCache(KVCache):

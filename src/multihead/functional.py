@@ -14,7 +14,7 @@ import torch
 from . import backends as _backends
 from . import trace as _trace
 from ._checks import check_dropout, check_indices, check_qkv, check_scale
-from ._numerics import autocast_dtype, autocast_inputs, outside_autocast
+from ._numerics import autocast_dtype, autocast_inputs, device_type, outside_autocast
 from .backends import _tiles
 from .backends import chunked as _chunked
 from .backends import reference as _reference
@@ -128,7 +128,7 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     if tr is not None:
         tr.set_config(backend=chosen.name)
     assert chosen.lse_fn is not None, "resolve refuses backends without lse_fn for need_lse"
-    with outside_autocast(q.device.type):
+    with outside_autocast(device_type(q)):
         return chosen.lse_fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
@@ -222,9 +222,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Ma
     chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p), tr)
     if tr is not None:
         tr.set_config(backend=chosen.name)
-    if autocast_dtype(q.device.type) is None:  # autocast is off: no context to enter
+    device = device_type(q)
+    if autocast_dtype(device) is None:  # autocast is off: no context to enter
         return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    with outside_autocast(q.device.type):
+    with outside_autocast(device):
         return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
@@ -272,7 +273,7 @@ def attend_with_weights(
     tr = _trace.current()
     if tr is not None:
         tr.set_config(backend="reference")
-    with outside_autocast(q.device.type):
+    with outside_autocast(device_type(q)):
         return _reference.attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 

@@ -52,6 +52,11 @@ small methods of a trusted core, in data-flow order (``_project``, ``_rotate``,
 ``_write_cache``, ``_attend``, ``_merge_output``), which `multihead.distributed.ContextParallel`
 calls too, swapping only the attention step for the ring.
 
+A plain decode step ``mha(x, cache=cache)`` decides all of that once: the first one builds a
+`multihead.decode_step.DecodeStep` (kept on the module), and each next step whose guards hold
+runs the core steps directly, from ``__call__`` (nn.Module's dispatch is 9% of such a step; the
+guards include this module's hooks) or from ``forward``; see `multihead.decode_step`.
+
 Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim.
 """
 
@@ -59,7 +64,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from operator import attrgetter
-from typing import Literal, Mapping, Optional, Union, cast, overload
+from typing import Any, Literal, Mapping, Optional, Union, cast, overload
 
 import torch
 import torch.nn as nn
@@ -67,6 +72,7 @@ import torch.nn.functional as F
 from torch.types import Device
 from torch.nn.modules import module as _nn_module
 
+from . import decode_step as _decode_step
 from . import functional as _functional
 from . import masks as _masks
 from . import steps as _steps
@@ -97,26 +103,12 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     return x * cos + rotate_half(x) * sin
 
 
-def _global_hooks() -> bool:
-    """Whether module hooks registered for every module (``register_module_forward_hook``, ...) exist."""
-    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
-
-
-def _own_hooks(lin: nn.Module) -> bool:
-    """Whether ``lin``'s call would run more than its ``forward``: hooks of its own, or a
-    forward replaced on the instance."""
-    return bool(lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks
-                or "forward" in lin.__dict__)
-
-
-def _linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)``, the projection's own call. For a plain ``nn.Linear`` with nothing that its
-    ``__call__`` would run besides ``forward`` (no hooks of its own or global ones, no forward
-    replaced on the instance, no JIT trace; a parametrized or wrapped one is another class) that
-    is ``F.linear(x, lin.weight, lin.bias)``, called directly: the same op on the same current
-    weights, without nn.Module's per-call dispatch. Anything else is called as a module."""
-    if type(lin) is nn.Linear and not _own_hooks(lin) and not _global_hooks() and not torch._C._get_tracing_state():
+def _linear(lin: nn.Module, x: torch.Tensor, plain: bool) -> torch.Tensor:
+    """``lin(x)``, the projection's own call. For a projection whose call is plain (see
+    `MultiHeadAttention._plain`) that is ``F.linear(x, lin.weight, lin.bias)``, called directly: the same op
+    on the same current weights, without nn.Module's per-call dispatch. Anything else is called
+    as a module."""
+    if plain:
         ps = lin._parameters  # what lin.weight, lin.bias read, without nn.Module.__getattr__ (~1 us each)
         w = ps.get("weight")
         if w is not None and "bias" in ps:
@@ -222,6 +214,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(_resolved(cfg.vdim), cfg.kv_dim, bias=cfg.bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
         self._packed: Optional[_Packed] = None
+        self._decode_step: Optional[_decode_step.DecodeStep] = None
         self._pack_qkv()
         self._causal_mask = _masks.causal() if cfg.causal else None
         # static for the module's life (the config is frozen): read per call, not re-derived
@@ -317,56 +310,74 @@ class MultiHeadAttention(nn.Module):
         if packed is None or packed[0].is_meta:  # meta tensors cannot say where they are (and compute nothing)
             return None
         views = packed[2]
-        mods = cast("dict[str, nn.Module]", self._modules)
-        params = (mods["q_proj"]._parameters, mods["k_proj"]._parameters, mods["v_proj"]._parameters)
-        for i, ps in enumerate(params):
-            w = ps.get("weight")
-            if w is None or not w.is_set_to(views[i]):
-                return None
-        if packed[1] is not None:
-            for i, ps in enumerate(params):
-                b = ps.get("bias")
-                if b is None or not b.is_set_to(views[3 + i]):
-                    return None
-        elif any(ps.get("bias") is not None for ps in params):
+        mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
+        q_ps, k_ps, v_ps = mods["q_proj"]._parameters, mods["k_proj"]._parameters, mods["v_proj"]._parameters
+        # unrolled: one decode step of the module asks this (six is_set_to, ~0.5 us each, are its cost)
+        wq, wk, wv = q_ps.get("weight"), k_ps.get("weight"), v_ps.get("weight")
+        if wq is None or wk is None or wv is None \
+                or not (wq.is_set_to(views[0]) and wk.is_set_to(views[1]) and wv.is_set_to(views[2])):
+            return None
+        bq, bk, bv = q_ps.get("bias"), k_ps.get("bias"), v_ps.get("bias")
+        if packed[1] is None:
+            return packed if bq is None and bk is None and bv is None else None
+        if bq is None or bk is None or bv is None \
+                or not (bq.is_set_to(views[3]) and bk.is_set_to(views[4]) and bv.is_set_to(views[5])):
             return None
         return packed
 
     def _apply(self, fn, recurse: bool = True):
         # .to(), .half(), .cuda(), to_empty, ... re-allocate the parameters: stack them again
         out = super()._apply(fn, recurse)
+        self._decode_step = None
         self._pack_qkv()
         return out
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_packed"] = None  # copy.deepcopy and pickle copy the parameters one by one ...
+        state["_decode_step"] = None  # (it refers to a cache by weak reference, which cannot be copied)
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_decode_step", None)  # a module pickled before decode steps existed
         self._pack_qkv()  # ... so their copies are stacked again
 
-    def _stacked_qkv(self, query: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _stacked_qkv(self, query: torch.Tensor, plain: Optional[bool] = None) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """([W_q; W_k; W_v], [b_q; b_k; b_v] or None), the block the q/k/v parameters are rows
-        of, for a one-row self-attention call that may use it (see the module docstring); else
-        None: three products."""
+        of, for a one-row self-attention call that may use it (see the module docstring; ``plain``:
+        the projections' calls are plain, `_plain`); else None: three products."""
         # torch.compile first: dynamo folds it to True, and never reads the block
         if torch.compiler.is_compiling() or self._packed is None or query.numel() != query.shape[-1]:
             return None
-        mods = cast("dict[str, nn.Module]", self._modules)  # self.q_proj: nn.Module.__getattr__, ~1 us a name
-        q_lin, k_lin, v_lin = mods["q_proj"], mods["k_proj"], mods["v_proj"]
-        if torch.is_grad_enabled() and _grad_may_reach(query, q_lin, k_lin, v_lin):
+        if not (self._plain() if plain is None else plain):
             return None
-        if not (type(q_lin) is nn.Linear and type(k_lin) is nn.Linear and type(v_lin) is nn.Linear) \
-                or _own_hooks(q_lin) or _own_hooks(k_lin) or _own_hooks(v_lin) \
-                or _global_hooks() or torch._C._get_tracing_state():
-            return None
+        if torch.is_grad_enabled():
+            mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
+            if _grad_may_reach(query, mods["q_proj"], mods["k_proj"], mods["v_proj"]):
+                return None
         packed = self._packed_now()
         if packed is None:
             self._packed = None  # a parameter was re-bound: release the old block's memory
             return None
         return packed[0], packed[1]
+
+    def _plain(self) -> bool:
+        """Whether calling each of the four projections is exactly ``F.linear(x, lin.weight,
+        lin.bias)``: a plain ``nn.Linear`` (a parametrized or wrapped one is another class), with
+        no hooks of its own or global ones (``register_module_forward_hook``, ...), no forward
+        replaced on the instance, and no JIT trace recording. Asked once per forward."""
+        if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks
+                or torch._C._get_tracing_state()):
+            return False
+        mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            lin = mods[name]
+            if (type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks
+                    or lin._backward_pre_hooks or "forward" in lin.__dict__):
+                return False
+        return True
 
     @property
     def batch_first(self) -> bool:
@@ -409,7 +420,7 @@ class MultiHeadAttention(nn.Module):
     def _weights_like(self, query: torch.Tensor) -> torch.Tensor:
         """A tensor with the projections' dtype and device: q_proj's weight, without evaluating a
         parametrization (its first parameter then), or ``query`` for a q_proj without parameters."""
-        q_lin = cast(nn.Module, self._modules["q_proj"])
+        q_lin: nn.Module = self._modules["q_proj"]  # type: ignore[assignment]
         w: Optional[torch.Tensor] = q_lin._parameters.get("weight")
         if w is None:
             w = next(q_lin.parameters(), query)
@@ -461,18 +472,37 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
         return positions.long()
 
-    def _mask(self, mask, batch: int, lq: int, lk: int, device, *, causal: bool = True, dtype=None):
-        """The call's mask checked against (B, H, Lq, Lk), combined with the module's causal mask
-        (unless ``causal=False``: with a cache, the cache's own mask says what each token sees)."""
+    def _mask(self, mask, query: torch.Tensor, lk: int, *, causal: bool = True):
+        """The call's mask checked against (B, H, Lq, Lk) for ``query`` (B, Lq, d_in), combined
+        with the module's causal mask (unless ``causal=False``: with a cache, the cache's own
+        mask says what each token sees)."""
+        lq = query.shape[1]
         if mask is None and (not causal or self._causal_mask is None or lq == 1):
             return None  # the common decode step: nothing to check or combine
         m = _masks.as_mask(mask)
         if m is not None:
-            m.check((batch, self.config.num_heads, lq, lk), device, dtype=dtype)
+            m.check((query.shape[0], self.config.num_heads, lq, lk), query.device, dtype=query.dtype)
         # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
         if causal and self._causal_mask is not None and (m is not None or lq > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
         return m
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.__call__`` (hooks, ``Module.compile``, tracing, then `forward`), except for a
+        plain decode step ``mha(x, cache=cache)`` of a module that has a `multihead.decode_step`
+        step whose guards hold (they include: no hooks on this module, its projections or
+        globally, not compiled, not traced, ``forward`` not replaced): that step runs directly,
+        as ``forward`` would run it, without nn.Module's dispatch (9% of a decode step at d=512)."""
+        # is_compiling first: dynamo folds it, and then reads (and guards on) none of the rest
+        if not torch.compiler.is_compiling() and len(args) == 1 and len(kwargs) == 1:
+            step = self._decode_step
+            cache = kwargs.get("cache")
+            if step is not None and cache is not None and _decode_step.ENABLED and type(self) is MultiHeadAttention \
+                    and self._compiled_call_impl is None:
+                out = step(self, args[0], cache)
+                if out is not None:
+                    return out
+        return nn.Module.__call__(self, *args, **kwargs)
 
     @overload
     def forward(
@@ -532,9 +562,22 @@ class MultiHeadAttention(nn.Module):
         Returns:
             (B, Lq, d_out), or ``(out, weights)``.
         """
+        if cache is not None and not torch.compiler.is_compiling() and key is None and value is None \
+                and mask is None and positions is None and not return_weights and _decode_step.ENABLED:
+            # a plain decode step: what the first one decided, if its guards still hold (decode_step.py)
+            step = self._decode_step
+            out = None if step is None else step(self, query, cache)
+            if out is None:
+                step = _decode_step.DecodeStep.build(self, query, cache)
+                if step is not None:  # (else the last one stays, for the cache it was built for)
+                    self._decode_step = step
+                    out = step(self, query, cache)
+            if out is not None:
+                return out
         key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
-        batch, lq = query.shape[0], query.shape[1]
+        shape = query.shape
+        batch, lq = shape[0], shape[1]
         given = None if positions is None else self._check_positions(positions, batch, lq, query.device)
         at: Union[int, torch.Tensor] = 0
         lk, bound = key.shape[1], None
@@ -543,22 +586,23 @@ class MultiHeadAttention(nn.Module):
             at, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
         if given is not None:  # any (Lq,) or (B, Lq) ints, looked up below their own bound
             at, bound = given, (int(given.max()) + 1 if given.numel() else 1)
-        m = self._mask(mask, batch, lq, lk, query.device, causal=cache is None, dtype=query.dtype)
+        m = self._mask(mask, query, lk, causal=cache is None)
         tr = _trace.current()
         if tr is not None:
             tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
             tr.record(_steps.INPUT, query, module=self)
-        q, k, v = self._project(query, key, value, tr)
+        plain = self._plain()
+        q, k, v = self._project(query, key, value, tr, plain)
         if self.rope is not None:
             q, k = self._rotate(q, k, at, tr, bound=bound)
         if cache is not None:
             k, v, m = self._write_cache(cache, k, v, m, tr)
         o, weights = self._attend(q, k, v, m, return_weights, tr)
-        out = self._merge_output(o, tr)
+        out = self._merge_output(o, tr, plain)
         return (out, weights) if return_weights else out
 
     # ------------------------------------------------------------------ the core (trusted inputs)
-    def _project(self, query, key, value, tr) -> tuple:
+    def _project(self, query, key, value, tr, plain: Optional[bool] = None) -> tuple:
         """Q (B, H, Lq, D), K (B, Hkv, Lk, D), V (B, Hkv, Lk, Dv): the projections, then the head split.
 
         Self-attention: one product with the stacked weights, split into Q, K, V (views); else,
@@ -566,18 +610,28 @@ class MultiHeadAttention(nn.Module):
         Either way the current weights, parametrizations and hooks are what runs: nothing is kept.
         """
         heads, kv_heads, d_out, kv_dim = self._sizes
-        stacked = self._stacked_qkv(query) if key is query and value is query else None
+        if plain is None:
+            plain = self._plain()
+        stacked = self._stacked_qkv(query, plain) if key is query and value is query else None
         if stacked is not None:
+            if tr is None:
+                return self._project_stacked(query, stacked[0], stacked[1])
             qkv = F.linear(query, stacked[0], stacked[1])  # (B, 1, d_out + 2 kv_dim)
-            if tr is None:  # the heads of Q, K, V at once: one view of all H + 2 Hkv heads, then split
-                return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
             q, k, v = qkv.split_with_sizes((d_out, kv_dim, kv_dim), dim=-1)
         else:
-            mods = cast("dict[str, nn.Module]", self._modules)
-            q, k, v = _linear(mods["q_proj"], query), _linear(mods["k_proj"], key), _linear(mods["v_proj"], value)
+            mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
+            q, k, v = (_linear(mods["q_proj"], query, plain), _linear(mods["k_proj"], key, plain),
+                       _linear(mods["v_proj"], value, plain))
         if tr is not None:
             self._record_projections(tr, (q, k, v), (query, key, value), stacked is not None)
         return _split_heads(q, heads, tr, "Q"), _split_heads(k, kv_heads, tr, "K"), _split_heads(v, kv_heads, tr, "V")
+
+    def _project_stacked(self, query, weight, bias) -> tuple:
+        """Q, K, V (views) of the one product with the stacked block ``weight`` (d_out + 2 kv_dim,
+        d_in), untraced: the heads of all three at once, one view of all H + 2 Hkv heads, then split."""
+        heads, kv_heads = self._sizes[0], self._sizes[1]
+        qkv = F.linear(query, weight, bias)  # (B, 1, d_out + 2 kv_dim)
+        return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
 
     def _record_projections(self, tr, outs: tuple, inputs: tuple, one_product: bool = False) -> None:
         """Trace the three projections, with the seeds' claim checked on the real values: when
@@ -664,9 +718,12 @@ class MultiHeadAttention(nn.Module):
             return _functional.attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
         return _functional._attend(q, k, v, m, scale, dropout_p, cfg.backend, tr), None
 
-    def _merge_output(self, o, tr) -> torch.Tensor:
+    def _merge_output(self, o, tr, plain: Optional[bool] = None) -> torch.Tensor:
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
-        out = _linear(cast(nn.Module, self._modules["out_proj"]), _merge_heads(o, tr))
+        if plain is None:
+            plain = self._plain()
+        out_proj: nn.Module = self._modules["out_proj"]  # type: ignore[assignment]
+        out = _linear(out_proj, _merge_heads(o, tr), plain)
         if tr is not None:
             tr.record(_steps.OUTPUT_PROJECTION, out, params={
                 "f_in": o.shape[1] * o.shape[3], "bias": getattr(self.out_proj, "bias", None) is not None})

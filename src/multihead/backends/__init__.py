@@ -18,7 +18,7 @@ Dv value head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 
@@ -32,9 +32,11 @@ backend added with `register` included) is accepted, and an unknown one is a Val
 __all__ = ["BackendName", "Backend", "Call", "register", "get", "names", "resolve", "explain_dispatch", "Dispatch"]
 
 
-@dataclass(frozen=True)
-class Call:
-    """What a backend is asked to do, for deciding whether it can."""
+class Call(NamedTuple):
+    """What a backend is asked to do, for deciding whether it can.
+
+    An immutable record (a NamedTuple: one is built for every attention call, and a tuple is
+    built in a third of a frozen dataclass's time)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -64,6 +66,12 @@ class Backend:
     describe: Optional[Callable[[Call], str]] = None
     #: ``(out, lse)`` for the arguments of ``fn``; None: this backend cannot give the lse
     lse_fn: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
+    #: a quick sufficient test, for a call without mask, dropout, weights or lse (a decode step),
+    #: that this backend neither refuses it nor would decline it for ``"auto"``; when it says True
+    #: for the first backend of `AUTO_ORDER`, auto takes that one without asking for reasons.
+    #: It must hold for every call that differs only by having fewer keys (`multihead.decode_step`
+    #: asks it once for a cache's longest step). None: auto always asks ``refuses`` and ``auto_declines``
+    takes_plain: Optional[Callable[[Call], bool]] = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,10 @@ def _resolve(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
             dispatch = explain_dispatch_call(call)
             tr.set_config(dispatch={"backend": dispatch.backend, "refused": dict(dispatch.refused)})
             return _REGISTRY[dispatch.backend]
+        if call.mask is None and not call.dropout_p and not call.need_weights and not call.need_lse:
+            first = _REGISTRY[AUTO_ORDER[0]]
+            if first.takes_plain is not None and first.takes_plain(call):
+                return first
         for candidate in AUTO_ORDER:
             backend = _REGISTRY[candidate]
             if _why_not(backend, call) is None:

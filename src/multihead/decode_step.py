@@ -1,0 +1,181 @@
+"""The decode step, decided once: ``mha(x_new, cache=cache)`` without the per-token edge.
+
+A cached decode step of one token costs a few hundred microseconds of tensor work, and the
+forward path around it (the edge's checks, the backend choice, the trace lookup, the stacked
+block's and the hooks' checks: some forty small Python calls) added 1.2-1.4x to it. Almost all
+of what that path decides is the same at every step of a generation: the same module, cache,
+input shape and dtype, the same backend. A `DecodeStep` is what the module's first plain decode
+step with a cache decided, kept on the module, with the guards under which each next step may
+run the same core steps without deciding again::
+
+    cache = multihead.KVCache(max_len=1024)
+    with torch.no_grad():
+        y = mha(prompt, cache=cache)        # the general path (prefill)
+        y = mha(x_next, cache=cache)        # builds the DecodeStep, then runs it
+        y = mha(x_next, cache=cache)        # runs it: guards, then the core steps
+
+What it runs is the module's own core, in the same order, on the same tensors, so its output is
+bit for bit the general path's: ``mha._project_stacked`` (the one product with the stacked
+[W_q; W_k; W_v] block, read from the parameters at every step), ``mha._rotate`` (with rope),
+``cache._store`` (the cache's trusted write), the backend's own ``fn`` (the one the dispatch
+point chose), then ``mha._merge_output``'s two ops (merge the heads, ``F.linear`` with
+``out_proj``'s current weight and bias), written out. Nothing derived from the weights is kept.
+``tests/test_decode_step.py`` holds every step to the general path bit for bit.
+
+It applies to the call ``mha(x, cache=cache)`` with nothing else (no mask, positions or
+weights), one row (B = Lq = 1: the case of the stacked block), a `KVCache` (not a
+`StaticKVCache`, which is for torch.compile) without padding, in eager mode with autograd off
+(``no_grad``/``inference_mode``), autocast off, no trace recording, no dropout, plain ``nn.Linear``
+projections without hooks whose q/k/v parameters are still rows of the stacked block, and a
+backend that takes every plain call up to the cache's ``max_len`` keys (``Backend.takes_plain``;
+sdpa). Each step checks all of it again (`DecodeStep.__call__`'s guards); any that fails sends
+the call to the general path, which validates and raises as always, and may build a new one.
+``ENABLED = False`` turns it off (every call takes the general path).
+
+Legend: B batch, Lq new tokens, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as _nn_module
+
+from . import backends as _backends
+from . import trace as _trace
+from .backends import Call
+from .cache import KVCache
+
+__all__ = ["DecodeStep", "ENABLED"]
+
+#: False: every call takes the module's general path (for comparing, and for benchmarks)
+ENABLED = True
+
+_Linear = nn.Linear
+
+
+class DecodeStep:
+    """What one module decided for plain one-token steps with one cache, and its guards.
+
+    Built by :meth:`build` from a call the general path would accept; called as
+    ``step(mha, query, cache)``, it returns the step's output, or None when a guard fails (then
+    nothing was computed or written, and the caller takes the general path).
+    """
+
+    __slots__ = ("_cache", "_key", "_shape", "_dtype", "_device", "_device_type", "_inference",
+                 "_packed", "_backend", "_auto", "_linears", "_hooks", "_instance_dicts", "_params", "_weights", "_biases")
+
+    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, packed: tuple[Any, ...], backend: _backends.Backend,
+                 auto: bool) -> None:
+        self._cache = weakref.ref(cache)  # a cache dropped by the caller is not kept alive here
+        self._key = weakref.ref(cache.key)  # its key buffer: a reallocation (select, a new layout) ends this
+        self._shape, self._dtype, self._device = query.shape, query.dtype, query.device
+        self._device_type = query.device.type
+        self._inference = torch.is_inference_mode_enabled()
+        self._packed = packed  # the module's stacked block when this was built: re-packing ends this
+        self._backend, self._auto = backend, auto
+        # what mha._plain() and mha._packed_now() read, held so that a step reads no attribute twice:
+        # the four projections, every hook dict that could make their calls more than F.linear (their
+        # own and the global ones: hooks are added to these dicts, never by replacing them), their
+        # instance dicts (a forward replaced on the instance), their q/k/v parameter dicts, and the
+        # six parameters with the rows of the block they must still be set to
+        mods = mha._modules
+        self._linears = tuple(mods[name] for name in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        self._hooks = tuple(d for lin in (mha, *self._linears) for d in (
+            lin._forward_hooks, lin._forward_pre_hooks, lin._backward_hooks, lin._backward_pre_hooks)) + (
+            _nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks,
+            _nn_module._global_backward_hooks, _nn_module._global_backward_pre_hooks)
+        self._instance_dicts = tuple(m.__dict__ for m in (*self._linears, mha))
+        self._params = tuple(lin._parameters for lin in self._linears[:3])
+        rows = packed[2]  # the row views of the block: q, k, v weights, then biases
+        self._weights = tuple(ps["weight"] for ps in self._params) + rows[:3]
+        self._biases = None if packed[1] is None else tuple(ps["bias"] for ps in self._params) + rows[3:]
+
+    @classmethod
+    def build(cls, mha: Any, query: torch.Tensor, cache: KVCache) -> Optional["DecodeStep"]:
+        """The step for ``mha(query, cache=cache)``, or None where it does not apply (see the
+        module docstring). Validates the call as the general path's edge does (and raises as it
+        does), cheapest refusals first, before deciding anything."""
+        if not ENABLED or type(query) is not torch.Tensor or query.numel() != query.shape[-1] \
+                or torch.is_grad_enabled() or _trace.current() is not None or mha._packed is None:
+            return None
+        mha._check_inputs(query, query, query)
+        mha._check_cache(cache, query, query, query)
+        packed = mha._packed_now()
+        if packed is None or packed[0].dtype != query.dtype or type(cache) is not KVCache or cache.keep is not None \
+                or cache.key is None or cache.value is None or cache._fresh \
+                or (mha.training and mha.config.dropout > 0) or not mha._plain() \
+                or torch.is_autocast_enabled(query.device.type) \
+                or (cache.key.is_inference() and not torch.is_inference_mode_enabled()):
+            return None
+        heads, kv_heads, head_dim = mha._sizes[0], mha._sizes[1], mha.config.head_dim
+        if tuple(cache.key.shape) != (1, kv_heads, cache.max_len, head_dim) \
+                or tuple(cache.value.shape) != (1, kv_heads, cache.max_len, head_dim) \
+                or cache.key.dtype != query.dtype or cache.key.device != query.device:
+            return None  # the cache holds another layout: the general path says why (or re-allocates)
+        # the backend every step up to the cache's max_len keys gets: takes_plain for the longest
+        # step (it holds for fewer keys too), which neither refuses nor declines a plain call
+        name = mha.config.backend
+        backend = _backends._REGISTRY.get(_backends.AUTO_ORDER[0] if name == "auto" else name)
+        full = Call(query.new_empty(1, heads, 1, head_dim), cache.key, cache.value, None, 0.0)
+        if backend is None or backend.takes_plain is None or not backend.takes_plain(full):
+            return None
+        return cls(mha, query, cache, packed, backend, name == "auto")
+
+    def __call__(self, mha: Any, query: torch.Tensor, cache: KVCache) -> Optional[torch.Tensor]:
+        """The step's output (B, 1, d_out), or None (nothing done) when a guard fails."""
+        backend = self._backend
+        if (self._cache() is not cache or type(query) is not torch.Tensor or query.shape != self._shape
+                or query.dtype is not self._dtype or query.device != self._device
+                or torch.is_grad_enabled() or torch.is_inference_mode_enabled() is not self._inference
+                or _trace._state.stack or torch.is_autocast_enabled(self._device_type)
+                or (mha.training and mha.config.dropout > 0)
+                or self._key() is not cache.key or cache._fresh or cache.keep is not None
+                or cache.length >= cache.max_len
+                or _backends._REGISTRY.get(backend.name) is not backend
+                or (self._auto and _backends.AUTO_ORDER[0] != backend.name)):
+            return None
+        # mha._plain(), from the references held: the same projections, still plain nn.Linear, no hooks
+        mods, (q_lin, k_lin, v_lin, out_lin) = mha._modules, self._linears
+        if (mods.get("q_proj") is not q_lin or mods.get("k_proj") is not k_lin or mods.get("v_proj") is not v_lin
+                or mods.get("out_proj") is not out_lin or type(q_lin) is not _Linear or type(k_lin) is not _Linear
+                or type(v_lin) is not _Linear or type(out_lin) is not _Linear or any(self._hooks)
+                or torch._C._get_tracing_state()):
+            return None
+        q_dict, k_dict, v_dict, out_dict, own_dict = self._instance_dicts
+        if "forward" in q_dict or "forward" in k_dict or "forward" in v_dict or "forward" in out_dict \
+                or "forward" in own_dict:
+            return None
+        # mha._packed_now(), likewise: the same parameters, each still set to its row of the block
+        q_ps, k_ps, v_ps = self._params
+        wq, wk, wv, rq, rk, rv = self._weights
+        if (q_ps.get("weight") is not wq or k_ps.get("weight") is not wk or v_ps.get("weight") is not wv
+                or not (wq.is_set_to(rq) and wk.is_set_to(rk) and wv.is_set_to(rv)) or mha._packed is not self._packed):
+            return None
+        biases = self._biases
+        if biases is None:
+            if q_ps.get("bias") is not None or k_ps.get("bias") is not None or v_ps.get("bias") is not None:
+                return None
+        else:
+            bq, bk, bv, sq, sk, sv = biases
+            if (q_ps.get("bias") is not bq or k_ps.get("bias") is not bk or v_ps.get("bias") is not bv
+                    or not (bq.is_set_to(sq) and bk.is_set_to(sk) and bv.is_set_to(sv))):
+                return None
+        packed = self._packed
+        q, k, v = mha._project_stacked(query, packed[0], packed[1])
+        if mha.rope is not None:
+            q, k = mha._rotate(q, k, cache.length, None, bound=cache.max_len)
+        k, v = cache._store(k, v)
+        o = backend.fn(q, k, v, None, scale=mha._scale, dropout_p=0.0)  # (1, H, 1, D)
+        # mha._merge_output(o, None, True) written out: for one untraced row of plain projections it is
+        # these two ops, and its three calls (_merge_output, _merge_heads, _linear) cost 4% of the step
+        ps = mha._modules["out_proj"]._parameters
+        w = ps.get("weight")
+        if w is None or "bias" not in ps:  # a weight made a buffer or deleted: the module's own call
+            out: torch.Tensor = mha._merge_output(o, None, True)
+            return out
+        return F.linear(o.transpose(1, 2).reshape(1, 1, -1), w, ps["bias"])
