@@ -184,6 +184,9 @@ class Tiles:
         # torch masks), so that no selecting part (e.g. a mask_mod) is evaluated there
         adding = [] if rest is None else [p for p in rest.parts if not p.is_structural and p.kind not in _SELECTING]
         self.rest_adding: Optional[Mask] = None if not adding else adding[0] if len(adding) == 1 else AllOf(adding)
+        # a tile the mask shows whole, with nothing added to its scores, holds no -inf and (unless the
+        # scores spread by more than 80) no argument of exp that leaves torch's fast path: see _exp_
+        self.plain_whole = not self.biases and not self.mods and self.rest_adding is None
         self.mask_shape = tuple(mask_shape)
         self.mask_heads = mask_heads
         self.q = self.group_rows(q.to(self.cdt) * scale)
@@ -338,7 +341,7 @@ class Tiles:
             s.sub_(first)
             row_shift.add_(first)
             fresh.logical_and_(~seen)
-        p = _exp_(s)
+        p = self.exp_(s, whole)
         part_sum = p.sum(dim=-1, keepdim=True)
         redo = _any(part_sum > self.limit)
         if redo:
@@ -366,7 +369,14 @@ class Tiles:
         acc[:, rows].mul_(factor)
         total[:, rows].mul_(factor)
         old.copy_(new)
-        return _exp_(s.sub_(new))
+        return self.exp_(s.sub_(new), whole)
+
+    def exp_(self, s: torch.Tensor, whole: bool) -> torch.Tensor:
+        """exp of scores minus a shift, in place: `_exp_`, or torch's own exp for a tile the mask
+        shows whole with nothing added to it (2 passes over the tile fewer, 30% of the elementwise
+        work of a causal forward; what the floor would set to 0 there is below rounding next to
+        the row sum, as in `_exp_`)."""
+        return s.exp_() if whole and self.plain_whole else _exp_(s)
 
     def backward(self, out, lse, g_out, g_lse, mod_inputs=()):
         """``(dq, dk, dv, dbiases, dmods)`` for out/lse from :meth:`forward` (grouped, compute
@@ -406,7 +416,7 @@ class Tiles:
                 if self.mods:
                     p, back = self._modded_probabilities(row_lse[:, rows], r0, r1, a0, k0, k1, whole, mod_inputs)
                 else:
-                    p, back = _exp_(self.scores(row_lse[:, rows], r0, r1, a0, k0, k1, whole)), None
+                    p, back = self.exp_(self.scores(row_lse[:, rows], r0, r1, a0, k0, k1, whole), whole), None
                 # products into new tensors, then added: a slice as the output of baddbmm_ would
                 # make torch run one matrix product per batch item instead of one batched product
                 pdv[:, k0:k1].add_(torch.bmm(p.transpose(1, 2), g_out[:, rows]))
