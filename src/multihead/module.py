@@ -493,8 +493,9 @@ class MultiHeadAttention(nn.Module):
         step whose guards hold (they include: no hooks on this module, its projections or
         globally, not compiled, not traced, ``forward`` not replaced): that step runs directly,
         as ``forward`` would run it, without nn.Module's dispatch (9% of a decode step at d=512)."""
-        # is_compiling first: dynamo folds it, and then reads (and guards on) none of the rest
-        if not torch.compiler.is_compiling() and len(args) == 1 and len(kwargs) == 1:
+        # dynamo first: it folds is_dynamo_compiling() to True, and then reads (and guards on) none of
+        # the rest; torch.export's non-strict tracing passes fake tensors, which the step refuses
+        if not torch.compiler.is_dynamo_compiling() and len(args) == 1 and len(kwargs) == 1:
             step = self._decode_step
             cache = kwargs.get("cache")
             if step is not None and cache is not None and _decode_step.ENABLED and type(self) is MultiHeadAttention \
