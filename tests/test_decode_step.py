@@ -294,6 +294,25 @@ def test_other_inputs_and_wrong_inputs_take_the_general_path():
     assert got.shape == (2, 1, D)
 
 
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_a_backend_without_takes_plain_decides_nothing_and_runs_as_before(backend, monkeypatch):
+    mha, prompt = _module(backend=backend), _tokens(4)
+    general, _ = _generate(mha, prompt, 3, enabled=False)
+    seen = _count_general(monkeypatch)
+    fast, _ = _generate(mha, prompt, 3)
+    assert mha._decode_step is None and len(seen) == 4  # the prefill and every step: the general path
+    assert all(torch.equal(a, b) for a, b in zip(fast, general))
+
+
+def test_queries_of_the_wrong_rank_get_the_edges_errors():
+    mha, cache, x = _ready()
+    cache.length = 4
+    with pytest.raises(ValueError, match="batch-first"):
+        _one_step(mha, cache, x[0])
+    with pytest.raises(ValueError, match=r"query must be \(B, Lq, d_in\)"):
+        _one_step(mha, cache, torch.tensor(1.0))
+
+
 def test_cache_tools_and_several_caches_stay_exact():
     mha = _module(rope=True)
     caches = [multihead.KVCache(16), multihead.KVCache(16)]

@@ -105,13 +105,17 @@ class DecodeStep:
         """The step for ``mha(query, cache=cache)``, or None where it does not apply (see the
         module docstring). Validates the call as the general path's edge does (and raises as it
         does), cheapest refusals first, before deciding anything."""
-        if not ENABLED or type(query) is not torch.Tensor or query.numel() != query.shape[-1] \
-                or torch.is_grad_enabled() or _trace.current() is not None or mha._packed is None:
-            return None
+        name = mha.config.backend
+        backend = _backends._REGISTRY.get(_backends.AUTO_ORDER[0] if name == "auto" else name)
+        if not ENABLED or type(query) is not torch.Tensor or query.dim() != 3 or query.numel() != query.shape[-1] \
+                or type(cache) is not KVCache or cache.keep is not None or backend is None \
+                or backend.takes_plain is None or torch.is_grad_enabled() or _trace.current() is not None \
+                or mha._packed is None:
+            return None  # (the calls that never qualify leave here, before any edge check)
         mha._check_inputs(query, query, query)
         mha._check_cache(cache, query, query, query)
         packed = mha._packed_now()
-        if packed is None or packed[0].dtype != query.dtype or type(cache) is not KVCache or cache.keep is not None \
+        if packed is None or packed[0].dtype != query.dtype \
                 or cache.key is None or cache.value is None or cache._fresh \
                 or (mha.training and mha.config.dropout > 0) or not mha._plain() \
                 or torch.is_autocast_enabled(query.device.type) \
@@ -124,10 +128,8 @@ class DecodeStep:
             return None  # the cache holds another layout: the general path says why (or re-allocates)
         # the backend every step up to the cache's max_len keys gets: takes_plain for the longest
         # step (it holds for fewer keys too), which neither refuses nor declines a plain call
-        name = mha.config.backend
-        backend = _backends._REGISTRY.get(_backends.AUTO_ORDER[0] if name == "auto" else name)
         full = Call(query.new_empty(1, heads, 1, head_dim), cache.key, cache.value, None, 0.0)
-        if backend is None or backend.takes_plain is None or not backend.takes_plain(full):
+        if not backend.takes_plain(full):
             return None
         return cls(mha, query, cache, packed, backend, name == "auto")
 
