@@ -69,10 +69,11 @@ class DecodeStep:
     """
 
     __slots__ = ("_cache", "_key", "_shape", "_dtype", "_device", "_device_type", "_inference",
-                 "_packed", "_backend", "_auto", "_linears", "_hooks", "_instance_dicts", "_params", "_weights", "_biases", "_heads", "_qkv_view")
+                 "_packed", "_backend", "_auto", "_linears", "_hooks", "_instance_dicts", "_params",
+                 "_weights", "_biases", "_heads", "_qkv_view")
 
-    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, packed: tuple[Any, ...], backend: _backends.Backend,
-                 auto: bool) -> None:
+    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, packed: tuple[Any, ...],
+                 backend: _backends.Backend, auto: bool) -> None:
         self._cache = weakref.ref(cache)  # a cache dropped by the caller is not kept alive here
         self._key = weakref.ref(cache.key)  # its key buffer: a reallocation (select, a new layout) ends this
         self._shape, self._dtype, self._device = query.shape, query.dtype, query.device
