@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +43,11 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:  # this checkout's multihead, in
 
 from multihead import masks
 from multihead.backends import _tiles, chunked
+
+try:
+    from . import harness as _h  # as part of the benchmarks package (python -m benchmarks)
+except ImportError:  # run as a script: this folder is sys.path[0]
+    import harness as _h  # type: ignore[no-redef]
 from multihead.backends.chunked import chunked_attention
 
 B, H, D, WINDOW = 1, 8, 64, 512
@@ -77,25 +81,6 @@ def side_by_side(cands: dict, rounds: int, warm_up: bool = True) -> dict:
         for name, fn in cands.items():
             best[name] = min(best[name], _time_once(fn))
     return best
-
-
-def paired(cands: dict, base: str, rounds: int) -> tuple[dict, dict]:
-    """({name: fastest seconds}, {name: median over rounds of its time / ``base``'s in the same
-    round}): each round times every candidate once, back to back, so a round the shared host slowed
-    as a whole cancels out of its ratios (the ratio of two minima may pair different states)."""
-    for fn in cands.values():
-        fn()
-    best = {name: float("inf") for name in cands}
-    ratios: dict = {name: [] for name in cands}
-    names = list(cands)
-    for r in range(rounds):
-        t = {}
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t[name] = _time_once(cands[name])
-            best[name] = min(best[name], t[name])
-        for name in names:
-            ratios[name].append(t[name] / t[base])
-    return best, {name: statistics.median(v) for name, v in ratios.items()}
 
 
 def matmul_gflops(n: int = 2048) -> float:
@@ -168,10 +153,10 @@ def causal_dtype_rows(L: int, rounds: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (t.to(dtype) for t in _inputs(L))
         with torch.no_grad():
-            t, ratio = paired({
+            t, ratio = _h.paired_ratios({  # one call a round: these take a tenth of a second
                 "chunked": lambda: chunked_attention(q, k, v, masks.causal()),
                 "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            }, "sdpa", 2 * rounds)
+            }, "sdpa", 2 * rounds, timer=_time_once)
         rows.append({"case": f"causal {str(dtype).replace('torch.', '')}", "L": L, "chunked_s": t["chunked"],
                      "sdpa_s": t["sdpa"], "chunked/sdpa": t["chunked"] / t["sdpa"],
                      "paired": ratio["chunked"], "bf16_products": _tiles.bf16_products(dtype, q.device)})

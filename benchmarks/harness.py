@@ -92,11 +92,14 @@ def side_by_side(cands: dict, rounds: int, min_run_s: float) -> dict:
     return best
 
 
-def paired_ratios(cands: dict, base: str, rounds: int, min_run_s: float) -> tuple[dict, dict]:
+def paired_ratios(cands: dict, base: str, rounds: int, min_run_s: float = 0.0,
+                  timer: Optional[Callable[[Callable[[], object]], float]] = None) -> tuple[dict, dict]:
     """({name: seconds}, {name: time / time of ``base``}) for callables measured interleaved in
     ``rounds`` rounds: the seconds as in :func:`side_by_side`, the ratio the median over rounds
     of the ratio within each round (each candidate timed back to back with the others, so a
-    disturbance that slows a whole round cancels out of its ratios)."""
+    disturbance that slows a whole round cancels out of its ratios). ``timer(fn)`` gives one
+    round's seconds of ``fn`` (default :func:`time_call` with ``min_run_s``)."""
+    time_of = timer if timer is not None else (lambda fn: time_call(fn, min_run_s))
     for fn in cands.values():
         fn()
     best = {name: float("inf") for name in cands}
@@ -105,7 +108,7 @@ def paired_ratios(cands: dict, base: str, rounds: int, min_run_s: float) -> tupl
     for r in range(rounds):
         t = {}
         for name in names[r % len(names):] + names[: r % len(names)]:
-            t[name] = time_call(cands[name], min_run_s)
+            t[name] = time_of(cands[name])
             best[name] = min(best[name], t[name])
         for name in names:
             per_round[name].append(t[name] / t[base])
