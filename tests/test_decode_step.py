@@ -20,7 +20,6 @@ from torch.nn.utils import parametrize
 
 import multihead
 from multihead import backends, decode_step
-from multihead.backends import sdpa as sdpa_backend
 
 D, H = 16, 4
 
@@ -389,25 +388,43 @@ def test_a_backend_registered_first_is_used_at_the_next_step():
     assert ran == [5] and torch.equal(got, _again(mha, cache, x))
 
 
-@pytest.mark.parametrize("heads,kv_heads,lq,lk", [(8, 8, 1, 256), (8, 2, 1, 1 << 16), (32, 8, 1, 1 << 20),
-                                                   (16, 16, 4, 1 << 18), (1, 1, 1, 1)])
-def test_sdpa_takes_plain_only_what_it_neither_refuses_nor_declines_and_for_fewer_keys_too(heads, kv_heads, lq, lk):
-    """Backend.takes_plain's contract, for sdpa: True means auto's full reasons find nothing, and
-    it stays True with fewer keys (what a decided step relies on for a cache's max_len)."""
-    q = torch.empty(1, heads, lq, 64, device="meta")
+@pytest.mark.parametrize("heads,kv_heads,lq,lk,takes", [
+    (8, 8, 1, 256, True), (8, 2, 1, 1 << 16, True), (16, 16, 4, 1 << 14, True), (1, 1, 1, 1, True),
+    (32, 8, 1, 1 << 20, False), (16, 16, 64, 1 << 16, False)])
+def test_sdpa_takes_plain_only_what_it_neither_refuses_nor_declines_and_for_fewer_keys_too(
+        heads, kv_heads, lq, lk, takes):
+    """Backend.takes_plain's contract, for sdpa: True means auto's full reasons (refusals, then the
+    planned budget) find nothing, and it stays True with fewer keys (what a decided step relies on
+    for a cache's max_len). CPU tensors expanded from one row: sizes of any length, no memory."""
+    def call(keys):
+        q = torch.empty(1, heads, 1, 64).expand(1, heads, lq, 64)
+        kv = torch.empty(1, kv_heads, 1, 64).expand(1, kv_heads, keys, 64)
+        return backends.Call(q, kv, kv, None, 0.0)
+
+    sdpa = backends.get("sdpa")
+    assert sdpa.takes_plain(call(lk)) is takes
     for keys in (lk, lk // 2, 1):
-        kv = torch.empty(1, kv_heads, keys, 64, device="meta")
-        call = backends.Call(q, kv, kv, None, 0.0)
-        if sdpa_backend._takes_plain(call):
-            assert backends._why_not(sdpa, call) is None
-    kv = torch.empty(1, kv_heads, lk, 64, device="meta")
-    if sdpa_backend._takes_plain(backends.Call(q, kv, kv, None, 0.0)):
-        for keys in (lk // 2, 1):
-            fewer = torch.empty(1, kv_heads, keys, 64, device="meta")
-            assert sdpa_backend._takes_plain(backends.Call(q, fewer, fewer, None, 0.0))
+        if sdpa.takes_plain(call(keys)):
+            assert backends._why_not(sdpa, call(keys)) is None
+    if takes:
+        assert all(sdpa.takes_plain(call(keys)) for keys in (lk // 2, 1))
+    else:  # False only means "ask the full reasons": they plan torch's flash kernel, no dense tensors
+        assert backends._why_not(sdpa, call(lk)) is None
+        assert backends.resolve("auto", call(lk)).name == backends.explain_dispatch_call(call(lk)).backend
 
 
-sdpa = backends.get("sdpa")
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_decided_steps_equal_the_general_path_at_any_thread_count(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        mha, prompt = _module(num_kv_heads=2), _tokens(5)
+        general, _ = _generate(mha, prompt, 4, enabled=False)
+        fast, _ = _generate(mha, prompt, 4)
+    finally:
+        torch.set_num_threads(old)
+    assert mha._decode_step is not None
+    assert all(torch.equal(a, b) for a, b in zip(fast, general))
 
 
 def test_a_compiled_module_never_takes_the_decided_step():

@@ -43,9 +43,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.modules import module as _nn_module
 
 from . import backends as _backends
 from . import trace as _trace
@@ -57,8 +55,6 @@ __all__ = ["DecodeStep", "ENABLED"]
 #: False: every call takes the module's general path (for comparing, and for benchmarks)
 ENABLED = True
 
-_Linear = nn.Linear
-
 
 class DecodeStep:
     """What one module decided for plain one-token steps with one cache, and its guards.
@@ -69,8 +65,7 @@ class DecodeStep:
     """
 
     __slots__ = ("_cache", "_key", "_shape", "_dtype", "_device", "_device_type", "_inference",
-                 "_packed", "_backend", "_auto", "_linears", "_hooks", "_instance_dicts", "_params",
-                 "_weights", "_biases", "_heads", "_qkv_view")
+                 "_packed", "_backend", "_auto", "_heads", "_qkv_view")
 
     def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, packed: tuple[Any, ...],
                  backend: _backends.Backend, auto: bool) -> None:
@@ -84,22 +79,6 @@ class DecodeStep:
         self._heads = (heads, kv_heads)
         self._qkv_view = (1, 1, heads + 2 * kv_heads, mha.config.head_dim)  # (B, Lq, H + 2 Hkv, D)
         self._backend, self._auto = backend, auto
-        # what mha._plain() and mha._packed_now() read, held so that a step reads no attribute twice:
-        # the four projections, every hook dict that could make their calls more than F.linear (their
-        # own and the global ones: hooks are added to these dicts, never by replacing them), their
-        # instance dicts (a forward replaced on the instance), their q/k/v parameter dicts, and the
-        # six parameters with the rows of the block they must still be set to
-        mods = mha._modules
-        self._linears = tuple(mods[name] for name in ("q_proj", "k_proj", "v_proj", "out_proj"))
-        self._hooks = tuple(d for lin in (mha, *self._linears) for d in (
-            lin._forward_hooks, lin._forward_pre_hooks, lin._backward_hooks, lin._backward_pre_hooks)) + (
-            _nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks,
-            _nn_module._global_backward_hooks, _nn_module._global_backward_pre_hooks)
-        self._instance_dicts = tuple(m.__dict__ for m in (*self._linears, mha))
-        self._params = tuple(lin._parameters for lin in self._linears[:3])
-        rows = packed[2]  # the row views of the block: q, k, v weights, then biases
-        self._weights = tuple(ps["weight"] for ps in self._params) + rows[:3]
-        self._biases = None if packed[1] is None else tuple(ps["bias"] for ps in self._params) + rows[3:]
 
     @classmethod
     def build(cls, mha: Any, query: torch.Tensor, cache: KVCache) -> Optional["DecodeStep"]:
@@ -145,34 +124,9 @@ class DecodeStep:
                 or self._key() is not cache.key or cache._fresh or cache.keep is not None
                 or cache.length >= cache.max_len
                 or _backends._REGISTRY.get(backend.name) is not backend
-                or (self._auto and _backends.AUTO_ORDER[0] != backend.name)):
+                or (self._auto and _backends.AUTO_ORDER[0] != backend.name)
+                or not mha._plain() or mha._packed_now() is not self._packed):
             return None
-        # mha._plain(), from the references held: the same projections, still plain nn.Linear, no hooks
-        mods, (q_lin, k_lin, v_lin, out_lin) = mha._modules, self._linears
-        if (mods.get("q_proj") is not q_lin or mods.get("k_proj") is not k_lin or mods.get("v_proj") is not v_lin
-                or mods.get("out_proj") is not out_lin or type(q_lin) is not _Linear or type(k_lin) is not _Linear
-                or type(v_lin) is not _Linear or type(out_lin) is not _Linear or any(self._hooks)
-                or torch._C._get_tracing_state()):
-            return None
-        q_dict, k_dict, v_dict, out_dict, own_dict = self._instance_dicts
-        if "forward" in q_dict or "forward" in k_dict or "forward" in v_dict or "forward" in out_dict \
-                or "forward" in own_dict:
-            return None
-        # mha._packed_now(), likewise: the same parameters, each still set to its row of the block
-        q_ps, k_ps, v_ps = self._params
-        wq, wk, wv, rq, rk, rv = self._weights
-        if (q_ps.get("weight") is not wq or k_ps.get("weight") is not wk or v_ps.get("weight") is not wv
-                or not (wq.is_set_to(rq) and wk.is_set_to(rk) and wv.is_set_to(rv)) or mha._packed is not self._packed):
-            return None
-        biases = self._biases
-        if biases is None:
-            if q_ps.get("bias") is not None or k_ps.get("bias") is not None or v_ps.get("bias") is not None:
-                return None
-        else:
-            bq, bk, bv, sq, sk, sv = biases
-            if (q_ps.get("bias") is not bq or k_ps.get("bias") is not bk or v_ps.get("bias") is not bv
-                    or not (bq.is_set_to(sq) and bk.is_set_to(sk) and bv.is_set_to(sv))):
-                return None
         packed = self._packed
         # mha._project_stacked(query, *packed[:2]) written out (its two calls are 2% of the step)
         heads, kv_heads = self._heads

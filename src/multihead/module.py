@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from operator import attrgetter
-from typing import Any, Literal, Mapping, Optional, Union, cast, overload
+from typing import Any, Literal, Mapping, Optional, Union, overload
 
 import torch
 import torch.nn as nn
@@ -498,8 +498,12 @@ class MultiHeadAttention(nn.Module):
         if not torch.compiler.is_dynamo_compiling() and len(args) == 1 and len(kwargs) == 1:
             step = self._decode_step
             cache = kwargs.get("cache")
+            # what nn.Module.__call__ would do besides forward: this module's own hooks (the global
+            # ones and the projections' are the step's guards), Module.compile, a replaced forward
             if step is not None and cache is not None and _decode_step.ENABLED and type(self) is MultiHeadAttention \
-                    and self._compiled_call_impl is None:
+                    and self._compiled_call_impl is None and not (self._forward_hooks or self._forward_pre_hooks
+                                                               or self._backward_hooks or self._backward_pre_hooks) \
+                    and "forward" not in self.__dict__:
                 out = step(self, args[0], cache)
                 if out is not None:
                     return out

@@ -179,9 +179,9 @@ def sdpa_attention(
         attn_mask, is_causal = sdpa_mask_args(
             mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), device=q.device, dtype=q.dtype
         )
+    gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
     )
     tr = _trace.current()
     if tr is not None:
@@ -221,14 +221,11 @@ _MOST_BYTES_PER_SCORE = 1 + 8 + 8 * (MATH_SCORE_COPIES + 2)
 
 def _within_any_budget(call: Call) -> bool:
     """Whether the dense tensors of any SDPA call of this size fit the budget, whatever its dtype,
-    mask and kernel (every decode step): then nothing needs planning."""
+    mask and kernel (every decode step): then nothing needs planning. Also the backend's
+    ``takes_plain``: a call without mask, dropout, weights or lse is refused for none of
+    `_refuses`' reasons, so within the budget auto takes it; fewer keys stay within it."""
     q_shape = call.q.shape
     return q_shape[0] * q_shape[1] * q_shape[2] * call.k.shape[2] * _MOST_BYTES_PER_SCORE <= DENSE_MASK_BUDGET_BYTES
-
-
-def _takes_plain(call: Call) -> bool:
-    # a call without mask, dropout, weights or lse is refused for none of _refuses' reasons
-    return _within_any_budget(call)
 
 
 def _auto_declines(call: Call) -> Optional[str]:
@@ -286,7 +283,7 @@ BACKEND = register(
         summary="torch.nn.functional.scaled_dot_product_attention (fused kernels)",
         auto_declines=_auto_declines,
         describe=_describe,
-        takes_plain=_takes_plain,
+        takes_plain=_within_any_budget,
     ),
     auto_rank=0,
 )
