@@ -473,6 +473,41 @@ def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
         assert verdict.ok, str(verdict)
 
 
+@pytest.mark.parametrize("jump,runs", [(5.0, 1), (60.0, 2)])
+def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs):
+    # the first run checks no panel; the final row sums show whether one needed the exact
+    # shift, and only then does the forward run again (every tile computed twice)
+    q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True) * 0.1
+    k[:, :, 12:] = q[:, :, :1] * jump * 2
+    q, k, v = q.float(), k.float(), v.float()
+    tiles = math.ceil(9 / 4) * math.ceil(30 / 10)
+    chunked.BLOCKS_COMPUTED.clear()
+    out = chunked_attention(q, k, v, block_q=4, block_k=10)
+    assert chunked.BLOCKS_COMPUTED["forward"] == runs * tiles
+    assert (chunked.BLOCKS_COMPUTED["redone"] > 0) == (runs == 2)
+    verdict = judged("rerun", out, q, k, v)
+    assert verdict.ok, str(verdict)
+
+
+@pytest.mark.parametrize("kind,base2", [("causal", True), ("keep", True), ("mask_mod", True), ("none", True),
+                                         ("alibi", False), ("bias", False), ("softcap", False)])
+def test_scores_are_kept_in_base_2_exactly_where_nothing_is_added_or_modded(kind, base2):
+    # base 2 is the fast exponential (exp2); ALiBi, biases and score mods are defined on the
+    # natural scores and keep exp (both are compared with the float64 oracle elsewhere)
+    q, k, v = qkv(B=1, H=2, Lq=5, Lk=5, D=4, dtype=torch.float32, seed=1)
+    mask = {"causal": masks.causal(), "keep": torch.rand(5, 5) > 0.3, "none": None,
+            "mask_mod": masks.mask_mod(lambda b, h, i, j: j <= i), "alibi": masks.alibi([0.5, 0.25]),
+            "bias": torch.randn(5, 5), "softcap": masks.softcap(5.0)}[kind]
+    m = masks.as_mask(mask)
+    rest, biases = masks.split_additive(m, (1, 2, 5, 5))
+    mods = m.score_mods if m is not None else ()
+    t = _tiles.Tiles(q, k, v, rest, biases, mods, scale=0.5, block_q=4, block_k=4, mask_shape=(1, 2, 5, 5))
+    assert t.base2 is base2
+    assert torch.allclose(t.q, q.reshape(2, 5, 4) * (0.5 * (_tiles.LOG2E if base2 else 1.0)), rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------- issue 11: extremes and contexts
 
 

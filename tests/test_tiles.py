@@ -3,8 +3,10 @@
 A tiled backend (online softmax) keeps a per-row shift while it walks the key tiles; a wrong
 shift underflows or overflows whole tiles, and the damage depends on which tile holds what.
 With tiles of 1 to 6 keys and queries, a few dozen keys give several tiles, and Hypothesis
-draws, per (query tile, key tile), a bias offset far below or far above exp's range (±90 is
-past float32's, ±800 past float64's), key padding that empties the first tiles, rows whose
+draws, per (query tile, key tile), an offset far below or far above exp's range (±90 is
+past float32's, ±800 past float64's), added as a bias tensor or built into the scores q·k
+themselves (the kernel keeps scores no bias or score mod touches in base 2, with exp2, and
+the others in base e: both are drawn), key padding that empties the first tiles, rows whose
 only visible keys are in the last tile, an optional causal mask, and optionally a random
 permutation of the keys (any tile order). Outputs and the gradients of q, k, v and the bias are
 held to the float64 oracle's rule (:func:`oracle.judge`), in float64, float32 and bfloat16.
@@ -18,6 +20,7 @@ Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import replace
 
 import pytest
@@ -123,10 +126,13 @@ def extreme_tiles(draw):
     gen = torch.Generator().manual_seed(seed)
     offsets = draw(st.lists(st.lists(st.sampled_from(OFFSETS), min_size=key_tiles, max_size=key_tiles),
                             min_size=query_tiles, max_size=query_tiles))
-    shape = draw(st.sampled_from(["full", "per_batch", "keys_only"]))
-    base = torch.randn(B, H, Lq, Lk, generator=gen) + tile_offsets(offsets, Lq, Lk, block_q, block_k)
-    bias = {"full": base, "per_batch": base[:, :1], "keys_only": base[:1, :1, :1]}[shape]
-    parts = [MaskPart("bias", tensor=bias.to(draw(st.sampled_from([dtype, torch.float32]))))]
+    in_scores = draw(st.booleans())  # the offsets in q·k (base-2 tiles) or in a bias (base e)
+    parts = []
+    if not in_scores:
+        shape = draw(st.sampled_from(["full", "per_batch", "keys_only"]))
+        base = torch.randn(B, H, Lq, Lk, generator=gen) + tile_offsets(offsets, Lq, Lk, block_q, block_k)
+        bias = {"full": base, "per_batch": base[:, :1], "keys_only": base[:1, :1, :1]}[shape]
+        parts.append(MaskPart("bias", tensor=bias.to(draw(st.sampled_from([dtype, torch.float32])))))
     # key padding over the first keys: whole tiles or not, at most all but one key
     padded = draw(st.sampled_from([0, block_k, 2 * block_k, draw(st.integers(0, Lk - 1))]))
     if 0 < padded < Lk:
@@ -138,9 +144,26 @@ def extreme_tiles(draw):
     if draw(st.booleans()):
         parts.append(MaskPart("causal", align=draw(st.sampled_from(["bottom_right", "top_left"]))))
     case = make_case(dtype, B, H, Hkv, Lq, Lk, D, Dv, parts, seed=seed)
+    if in_scores:
+        case = offsets_in_scores(case, offsets, block_q, block_k)
     if draw(st.booleans()):  # the same problem with its keys in a random order: any tile order
         case = permute_keys(case, torch.randperm(Lk, generator=gen))
     return case, block_q, block_k, offsets, draw(st.sampled_from(list(PATHS)))
+
+
+def offsets_in_scores(case: Case, offsets, block_q: int, block_k: int) -> Case:
+    """The case with ``offsets[i // block_q][j // block_k]`` added to the score of query i and key
+    j through q and k alone: one more head dimension per query tile, 1 in q for that tile's
+    queries and offset / scale in k (the scale of the longer head dimension), so no bias part
+    is needed (the tiles that no bias or score mod touches keep their scores in base 2)."""
+    tiles = len(offsets)
+    D = case.D + tiles
+    scale = 1 / math.sqrt(D)
+    one_hot = torch.nn.functional.one_hot(torch.arange(case.Lq) // block_q, tiles).float()  # (Lq, tiles)
+    per_key = tile_offsets(offsets, tiles * block_q, case.Lk, block_q, block_k)[::block_q].T / scale  # (Lk, tiles)
+    q = torch.cat([case.q.float(), one_hot.expand(case.B, case.H, -1, -1)], dim=-1).to(case.dtype)
+    k = torch.cat([case.k.float(), per_key.expand(case.B, case.Hkv, -1, -1)], dim=-1).to(case.dtype)
+    return replace(case, D=D, q=q, k=k)
 
 
 def permute_keys(case: Case, perm: torch.Tensor) -> Case:
