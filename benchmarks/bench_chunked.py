@@ -8,7 +8,9 @@
   and in bfloat16 (chunked takes bfloat16 matrix products where the CPU has bf16 units, see
   the CPU line), and 8 packed documents x 1024 tokens at L=8192, causal, forward+backward:
   chunked with ``from_seqlens`` vs SDPA given the equivalent dense (L, L) bool mask (target:
-  chunked >= 4x faster), with both calls' peak extra memory in fresh processes;
+  chunked >= 4x faster), with both calls' peak extra memory in fresh processes; beside the
+  float32 row, :func:`bare_tile_loop`, the torch calls of the tiles alone (no masking, no
+  bookkeeping), as the floor of a kernel made of torch calls;
 * peak extra memory of one call, each in a fresh subprocess: resident memory after the inputs
   exist vs the process's peak resident memory after the call (``VmHWM``; not ``ru_maxrss``,
   which a child inherits from its parent's peak across fork/exec) (target: chunked <= 1 GiB
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -147,21 +150,59 @@ def block_rows(L: int, rounds: int, configs) -> list[dict]:
 DOCS, DOC_LEN = 8, 1024
 
 
+def bare_tile_loop(q, k, v, block: int = 256):
+    """The torch calls of a causal forward's tiles and nothing else, for scale: per tile of
+    ``block`` queries x ``block`` keys (8 heads batched) one product, the shift, exp2, the row
+    sums and the second product, on the tile kernel's threads (``_tiles._share``, query blocks
+    dealt out as there). No masking (diagonal tiles are computed whole) and no bookkeeping, so
+    the result is not attention: its time is what those torch calls cost by themselves."""
+    B_, H_, L, D_ = q.shape
+    q3 = (q * (D_ ** -0.5 / math.log(2))).reshape(B_ * H_, L, D_)
+    k3, v3 = k.reshape(B_ * H_, L, D_), v.reshape(B_ * H_, L, D_)
+    shift = torch.zeros(B_ * H_, L, 1)
+    acc, total = torch.zeros(B_ * H_, L, D_), torch.zeros(B_ * H_, L, 1)
+    blocks = L // block
+    workers = _tiles._workers(blocks, q3, k3, v3)
+
+    def work(w):
+        mine = [i for i in range(blocks) if _tiles._worker_of(i, workers) == w]
+        for j in range(blocks):
+            for i in mine:
+                if i < j:
+                    continue
+                rows, keys = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+                s = torch.bmm(q3[:, rows], k3[:, keys].transpose(1, 2))
+                if j == 0:
+                    shift[:, rows] = s.amax(dim=-1, keepdim=True)
+                s.sub_(shift[:, rows]).exp2_()
+                total[:, rows].add_(s.sum(dim=-1, keepdim=True))
+                acc[:, rows].add_(torch.bmm(s, v3[:, keys]))
+
+    _tiles._share(work, workers)
+    return acc / total
+
+
 def causal_dtype_rows(L: int, rounds: int) -> list[dict]:
-    """Forward, causal: chunked vs SDPA ``is_causal=True`` in float32 and bfloat16."""
+    """Forward, causal: chunked vs SDPA ``is_causal=True`` in float32 and bfloat16; in float32
+    also :func:`bare_tile_loop` (the floor of a kernel made of torch calls)."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (t.to(dtype) for t in _inputs(L))
+        cands = {  # one call a round: these take a tenth of a second
+            "chunked": lambda: chunked_attention(q, k, v, masks.causal()),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        }
+        if dtype == torch.float32:
+            cands["bare"] = lambda: bare_tile_loop(q, k, v, chunked.BLOCK_K)
         with torch.no_grad():
-            t, ratio = _h.paired_ratios({  # one call a round: these take a tenth of a second
-                "chunked": lambda: chunked_attention(q, k, v, masks.causal()),
-                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            }, "sdpa", 2 * rounds, timer=_time_once)
+            t, ratio = _h.paired_ratios(cands, "sdpa", 2 * rounds, timer=_time_once)
         rows.append({"case": f"causal {str(dtype).replace('torch.', '')}", "L": L, "chunked_s": t["chunked"],
                      "sdpa_s": t["sdpa"], "chunked/sdpa": t["chunked"] / t["sdpa"],
-                     "paired": ratio["chunked"], "bf16_products": _tiles.bf16_products(dtype, q.device)})
+                     "paired": ratio["chunked"], "bare": ratio.get("bare"),
+                     "bf16_products": _tiles.bf16_products(dtype, q.device)})
+        bare = "" if "bare" not in ratio else f"; bare torch loop / sdpa {ratio['bare']:.2f}"
         print(f"{rows[-1]['case']:>16} L={L}: chunked {t['chunked']:.3f} s, sdpa {t['sdpa']:.3f} s, "
-              f"chunked/sdpa = {rows[-1]['chunked/sdpa']:.2f} (median of rounds' ratios {ratio['chunked']:.2f}; "
+              f"chunked/sdpa = {rows[-1]['chunked/sdpa']:.2f} (median of rounds' ratios {ratio['chunked']:.2f}{bare}; "
               f"bf16 products: {rows[-1]['bf16_products']})", flush=True)
     return rows
 
@@ -197,14 +238,15 @@ def packed_row(rounds: int) -> dict:
 
 def issue13_report(rounds: int) -> list[str]:
     lines = [f"## issue 13: chunked vs SDPA (B=1, H=8, D=64; CPU {_tiles.cpu_features()})", "",
-             "| case | L | chunked s | SDPA s | chunked / SDPA | median of rounds' ratios | bf16 products |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | L | chunked s | SDPA s | chunked / SDPA | median of rounds' ratios | bare torch loop / SDPA | bf16 products |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in causal_dtype_rows(4096, rounds):
+        bare = "" if r["bare"] is None else f"{r['bare']:.2f}"
         lines.append(f"| {r['case']} (forward) | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} | "
-                     f"{r['chunked/sdpa']:.2f} | {r['paired']:.2f} | {'yes' if r['bf16_products'] else 'no'} |")
+                     f"{r['chunked/sdpa']:.2f} | {r['paired']:.2f} | {bare} | {'yes' if r['bf16_products'] else 'no'} |")
     r = packed_row(rounds)
     lines.append(f"| {r['case']} | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} (dense mask) | "
-                 f"{1 / r['sdpa/chunked']:.2f} (SDPA / chunked = {r['sdpa/chunked']:.2f}) | | no |")
+                 f"{1 / r['sdpa/chunked']:.2f} (SDPA / chunked = {r['sdpa/chunked']:.2f}) | | | no |")
     lines += ["", "| peak extra memory (fresh process), packed fwd+bwd | L | MiB |", "|---|---|---|"]
     for which in ("packed-chunked+backward", "packed-sdpa+backward"):
         extra = peak_extra_bytes(which, DOCS * DOC_LEN)
