@@ -183,3 +183,34 @@ def test_float32_bias_is_not_rounded_to_half_inputs(backend, dtype):
     verdict = judge("output", out, want, lambda dt: naive_attention(q, k, v, keep, bias, Dh ** -0.5, dt), dtype,
                     head_dim=Dh, score_size=score_size(q, k, keep, bias, Dh ** -0.5))
     assert verdict.ok, str(verdict)
+
+
+# --------------------------------------------------------------------------- the default scale
+def test_every_way_of_writing_one_over_sqrt_d_counts_as_the_default_scale():
+    # 1 / math.sqrt(D) (default_scale), D ** -0.5 (transformers' scaling) and 1 / D ** 0.5 differ
+    # in the last bit for some D (8, 32 and 128 among them); all three are "1/√D"
+    from multihead._numerics import default_scale, is_default_scale
+
+    differ = [d for d in range(1, 1025) if d ** -0.5 != default_scale(d)]
+    assert {8, 32, 128} <= set(differ)
+    for d in range(1, 1025):
+        for written in (default_scale(d), d ** -0.5, 1 / d ** 0.5):
+            assert is_default_scale(written, d), (d, written)
+        assert not is_default_scale(default_scale(d) * (1 + 1e-12), d)
+        assert not is_default_scale(default_scale(d + 1), d)
+
+
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_the_scale_step_calls_transformers_scaling_the_default(head_dim):
+    # the reference backend's trace said "given; 1/√D would be ..." for scale=D ** -0.5, the
+    # value every transformers attention layer passes, because it differs from 1/math.sqrt(D)
+    # in the last bit for these D
+    q, k, v = (torch.randn(1, 2, 3, head_dim) for _ in range(3))
+    with multihead.trace() as t:
+        multihead.attention(q, k, v, scale=head_dim ** -0.5, backend="reference")
+    step = next(s for s in t.steps if s.label == "scale")
+    assert step.params["default"] is True
+    assert "1/√D when D" in step.note
+    with multihead.trace() as t:
+        multihead.attention(q, k, v, scale=0.3, backend="reference")
+    assert next(s for s in t.steps if s.label == "scale").params["default"] is False

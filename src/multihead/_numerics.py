@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AUTOCAST_ELIGIBLE", "default_scale", "compute_dtype", "finite_row_max", "device_type", "autocast_dtype", "autocast_inputs", "outside_autocast"]
+__all__ = ["AUTOCAST_ELIGIBLE", "default_scale", "is_default_scale", "compute_dtype", "finite_row_max", "device_type", "autocast_dtype", "autocast_inputs", "outside_autocast"]
 
 #: dtypes autocast may cast (float64 is never cast, as in torch's own autocast)
 AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -22,6 +22,14 @@ AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 def default_scale(head_dim: int) -> float:
     """1/√D, the scale of the scores when none is given (1 for D = 0)."""
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def is_default_scale(scale: float, head_dim: int) -> bool:
+    """Whether ``scale`` is 1/√D as one library or another writes it (``1 / math.sqrt(D)``,
+    ``D ** -0.5`` as transformers does, ``1 / D ** 0.5``: they differ in the last bit for some D,
+    8, 32 and 128 among them): within 4 units in the last place of :func:`default_scale`."""
+    d = default_scale(head_dim)
+    return abs(float(scale) - d) <= 4 * math.ulp(d)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

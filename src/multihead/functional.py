@@ -73,8 +73,9 @@ def attention(
 
     Equivalent to (plain torch, no dropout; the ``reference`` backend):
 
+    >>> import math
     >>> def reference(q, k, v, keep=None, bias=None, scale=None):
-    ...     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ...     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     ...     g = q.shape[1] // k.shape[1]                       # query heads per key/value head
     ...     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     ...     scores = q @ k.transpose(-2, -1) * scale

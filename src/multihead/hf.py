@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_positive_int
+from ._numerics import default_scale
 from .config import AttentionConfig
 from .rope import ROPE_TYPES, RoPEScaling
 
@@ -163,9 +164,10 @@ def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None) -> t
 
 def _check_scaling(module, head_dim: int) -> None:
     scaling = getattr(module, "scaling", None)
-    if scaling is not None and abs(float(scaling) - head_dim ** -0.5) > 1e-12 * head_dim ** -0.5:
+    default = default_scale(head_dim)
+    if scaling is not None and abs(float(scaling) - default) > 1e-12 * default:
         raise ValueError(
-            f"{type(module).__name__}.scaling is {scaling}, not 1/sqrt(head_dim) = {head_dim ** -0.5}; "
+            f"{type(module).__name__}.scaling is {scaling}, not 1/sqrt(head_dim) = {default}; "
             "MultiHeadAttention always scales by 1/sqrt(head_dim)"
         )
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import steps as _steps
 from .. import trace as _trace
-from .._numerics import compute_dtype, default_scale, finite_row_max
+from .._numerics import compute_dtype, finite_row_max, is_default_scale
 from ..heads import REPEAT_KV_PATTERN, repeat_kv
 from ..masks import Mask
 from . import Backend, Call, register
@@ -82,7 +82,7 @@ def attention_probs(
     scores = scores * scale
     if tr is not None:
         tr.record(_steps.SCALE, scores, params={"scale": scale, "head_dim": q.shape[-1],
-                                                   "default": scale == default_scale(q.shape[-1])})
+                                                   "default": is_default_scale(scale, q.shape[-1])})
     keep = None
     sink = None
     if mask is not None:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional, cast
 
 import torch
 
+from .._numerics import default_scale
 from . import UsageError
 
 __all__ = ["MODELS", "MAX_TOKENS", "ModelSpec", "ModelError", "ModelInfo", "LayerRecord", "RealRun",
@@ -305,7 +306,7 @@ def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     rec["calls"].append({
         "module": module, "q": query[0].detach(), "k": key[0].detach(), "v": value[0].detach(),
         "keep": keep[0], "bias": bias,
-        "scale": float(query.shape[-1] ** -0.5 if scaling is None else scaling),
+        "scale": float(default_scale(query.shape[-1]) if scaling is None else scaling),  # attention_forward's
         "scores": scores[0].detach(), "weights": weights[0].detach(), "out": out[0].transpose(0, 1).detach(),
     })
     return out, weights

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import steps
+from .._numerics import is_default_scale
 from ..trace import Trace
 from . import UsageError, check_out, write_output
 from . import models as _models
@@ -331,7 +332,7 @@ def layer_trace(real: RealRun, layer: int) -> Trace:
     tr.record(steps.SCORES, rec.scores[None], params={"head_dim": D})
     scaled = rec.scores * rec.scale
     tr.record(steps.SCALE, scaled[None], params={"scale": rec.scale, "head_dim": D,
-                                                 "default": rec.scale == D ** -0.5})
+                                                 "default": is_default_scale(rec.scale, D)})
     if not bool(rec.keep.all()):
         kinds = ("causal",) if rec.causal else ("keep",)
         tr.record(steps.MASK, scaled.masked_fill(~rec.keep, float("-inf"))[None],
