@@ -355,6 +355,37 @@ def test_selected_heads_and_rows_match_the_full_weights():
     assert (mh.attention_weights(q, k, m, rows=[4]) - full[:, :, [4]]).abs().max() <= 1e-14
 
 
+def _per_head_kind(kind, H, Lq, table):
+    g = torch.Generator().manual_seed(4)
+    return {
+        "sink": masks.causal() & masks.sink(torch.randn(H, generator=g, dtype=torch.float64)),
+        "score_mod_h": masks.causal() & masks.score_mod(lambda s, b, h, i, j: s + 0.3 * h * (i - j)),
+        "score_mod_table": masks.score_mod(lambda s, b, h, i, j: s + table[h, i], tensors=[table]),
+        "mask_mod_h": masks.mask_mod(lambda b, h, i, j: (j <= i) | (h % 2 == 1)),
+        "alibi": masks.causal() & masks.alibi(masks.alibi_slopes(H)),
+        "softcap_sink": masks.softcap(1.5) & masks.sink(torch.randn(H, generator=g, dtype=torch.float64)),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["sink", "score_mod_h", "score_mod_table", "mask_mod_h", "alibi", "softcap_sink"])
+def test_selected_heads_keep_their_own_head_index_and_sink(kind):
+    # heads=... with a score_mod was refused, and with a sink raised torch's shape error: the
+    # selected heads see their own h (and sink logit), so the slice is the full weights' slice,
+    # values and gradients (the full weights are held to the float64 oracle elsewhere)
+    H, Lq, Lk = 4, 7, 7
+    q, k, _ = qkv(B=2, H=H, Hkv=2, Lq=Lq, Lk=Lk, seed=5)
+    table = torch.randn(H, Lq, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    m = _per_head_kind(kind, H, Lq, table)
+    heads, rows = [3, 0, 1], [6, 2, 3]
+    full = mh.attention_weights(q, k, m)[:, heads][:, :, rows]
+    sel = mh.attention_weights(q, k, m, heads=heads, rows=rows)
+    assert (sel - full).abs().max() <= 1e-14
+    if kind == "score_mod_table":
+        (d_full,) = torch.autograd.grad(full.square().sum(), table)
+        (d_sel,) = torch.autograd.grad(sel.square().sum(), table)
+        assert d_full.abs().max() > 0 and (d_sel - d_full).abs().max() <= 1e-13
+
+
 def test_selected_weights_are_differentiable():
     q, k, _ = qkv(B=1, H=2, Lq=6, Lk=5, D=3, grad=True, seed=1)
     f = lambda q, k: mh.attention_weights(q, k, masks.causal(), heads=[1], rows=[0, 4, 5])

@@ -344,18 +344,22 @@ class Mask:
     def _own_tensors(self) -> tuple[torch.Tensor, ...]:
         return ()
 
-    def apply_block(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape) -> torch.Tensor:
+    def apply_block(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape,
+                    heads: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Scores ``s`` (B, H, q1-q0, k1-k0) of the tile queries q0.. x keys k0.. (absolute
         indices, ``shape`` = (B, H, Lq, Lk)) after every score-mod part, in written order.
+        ``heads``: the heads of ``shape`` that the head axis of ``s`` holds, in that order
+        (None: all H; a score_mod then sees those head indices as ``h``).
 
         Same shape and dtype back; differentiable by torch autograd (also into `tensors`).
         Without score-mod parts ``s`` itself comes back.
         """
         for p in self.score_mods:
-            s = p._apply(s, q0, q1, k0, k1, tuple(shape))
+            s = p._apply(s, q0, q1, k0, k1, tuple(shape), heads)
         return s
 
-    def _apply(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape) -> torch.Tensor:  # pragma: no cover - abstract
+    def _apply(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape,
+               heads: Optional[Sequence[int]] = None) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def with_plan(self, plan: "BlockPlan") -> "Mask":
@@ -1233,11 +1237,13 @@ class _TorchHeadsMask(Mask):
 
 
 def _index_args(
-    q0: int, q1: int, k0: int, k1: int, batch: int, heads: int, device: torch.device
+    q0: int, q1: int, k0: int, k1: int, batch: int, heads: Union[int, Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlexAttention's index arguments for one tile: b (B,1,1,1), h (1,H,1,1), q_idx (1,1,bq,1), kv_idx (1,1,1,bk)."""
+    """FlexAttention's index arguments for one tile: b (B,1,1,1), h (1,H,1,1), q_idx (1,1,bq,1),
+    kv_idx (1,1,1,bk); ``heads``: H (h is 0..H-1) or the head indices themselves."""
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    h = (torch.arange(heads, device=device) if isinstance(heads, int)
+         else torch.tensor(list(heads), dtype=torch.int64, device=device)).view(1, -1, 1, 1)
     q = torch.arange(q0, q1, device=device).view(1, 1, q1 - q0, 1)
     kv = torch.arange(k0, k1, device=device).view(1, 1, 1, k1 - k0)
     return b, h, q, kv
@@ -1395,8 +1401,9 @@ class ScoreMod(_BuildsNothing):
     def _own_tensors(self) -> tuple[torch.Tensor, ...]:
         return self._tensors
 
-    def _apply(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape) -> torch.Tensor:
-        out = self.fn(s, *_index_args(q0, q1, k0, k1, s.shape[0], s.shape[1], s.device))
+    def _apply(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape,
+               heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+        out = self.fn(s, *_index_args(q0, q1, k0, k1, s.shape[0], s.shape[1] if heads is None else heads, s.device))
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"score_mod {_fn_name(self.fn)} must return a tensor of the score's shape, got {type(out).__name__}; "

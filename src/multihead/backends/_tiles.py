@@ -284,7 +284,7 @@ class Tiles:
         bk = k1 - k0
         s4 = s.view(self.B, self.Hkv, nq, self.G, bk).transpose(2, 3).reshape(self.B, self.H, nq, bk)
         for mod in self.mods:
-            s4 = mod.apply_block(s4, a0, a0 + nq, k0, k1, self.mask_shape)
+            s4 = mod.apply_block(s4, a0, a0 + nq, k0, k1, self.mask_shape, self.mask_heads)
         return s4.reshape(self.B, self.Hkv, self.G, nq, bk).transpose(2, 3).reshape(self.N, nq * self.G, bk).contiguous()
 
     def scores(self, shift, r0, r1, a0, k0, k1, whole=False) -> torch.Tensor:
@@ -576,7 +576,7 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)
     sink = mask.sink_logits if mask is not None else None
     if sink is not None:
-        out, lse = with_sink(out, lse, sink)
+        out, lse = with_sink(out, lse, sink if mask_heads is None else sink[list(mask_heads)])
     return out.to(q.dtype), lse
 
 

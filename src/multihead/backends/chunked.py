@@ -102,10 +102,6 @@ def chunked_attention(
     m = as_mask(mask)
     if m is not None:
         m.check(shape, q.device, dtype=q.dtype)
-    if mask_heads is not None and list(mask_heads) != list(range(shape[1])) and m is not None \
-            and m.score_mods:
-        raise ValueError("attention_weights(heads=...) cannot apply a score_mod to a subset of the heads; "
-                         "select the heads from attention_weights(...) without heads=")
     out, lse = _tiles.attend(q, k, v, m, scale=scale, block_q=block_q, block_k=block_k, mask_shape=shape,
                              positions=positions, mask_heads=mask_heads)
     return (out, lse) if return_lse else out
@@ -148,7 +144,7 @@ def _selected_weights(q, k, mask: Optional[Mask], *, scale: float, heads: Sequen
                 mt = mask.block(a0, a0 + r1 - r0, 0, Lk, shape, device=q.device, dtype=cdt)
                 if mt.bias is not None:
                     s = s + (mt.bias if mt.bias.shape[1] == 1 else mt.bias[:, heads])
-                s = mask.apply_block(s, a0, a0 + r1 - r0, 0, Lk, shape)  # all heads (chunked_attention checked)
+                s = mask.apply_block(s, a0, a0 + r1 - r0, 0, Lk, shape, heads)
                 if mt.keep is not None:
                     s = s.masked_fill(~(mt.keep if mt.keep.shape[1] == 1 else mt.keep[:, heads]), _NEG_INF)
             pieces.append(torch.exp(s - lse[:, :, r0:r1]))
