@@ -522,20 +522,23 @@ def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs)
     assert verdict.ok, str(verdict)
 
 
-@pytest.mark.parametrize("kind,base2", [("causal", True), ("keep", True), ("mask_mod", True), ("none", True),
-                                         ("alibi", False), ("bias", False), ("softcap", False)])
-def test_scores_are_kept_in_base_2_exactly_where_nothing_is_added_or_modded(kind, base2):
-    # base 2 is the fast exponential (exp2); ALiBi, biases and score mods are defined on the
-    # natural scores and keep exp (both are compared with the float64 oracle elsewhere)
+@pytest.mark.parametrize("kind,base2,plain", [("causal", True, True), ("keep", True, True), ("mask_mod", True, True),
+                                               ("none", True, True), ("alibi", True, False), ("bias", True, False),
+                                               ("softcap", False, True), ("score_mod", False, True)])
+def test_scores_are_kept_in_base_2_exactly_where_no_score_mod_reads_them(kind, base2, plain):
+    # base 2 is the fast exponential (exp2); score mods are defined on the natural scores and
+    # keep exp; with added parts the exponential keeps its floor (all are compared with the
+    # float64 oracle elsewhere)
     q, k, v = qkv(B=1, H=2, Lq=5, Lk=5, D=4, dtype=torch.float32, seed=1)
     mask = {"causal": masks.causal(), "keep": torch.rand(5, 5) > 0.3, "none": None,
             "mask_mod": masks.mask_mod(lambda b, h, i, j: j <= i), "alibi": masks.alibi([0.5, 0.25]),
-            "bias": torch.randn(5, 5), "softcap": masks.softcap(5.0)}[kind]
+            "bias": torch.randn(5, 5), "softcap": masks.softcap(5.0),
+            "score_mod": masks.score_mod(lambda s, b, h, i, j: s * 0.5)}[kind]
     m = masks.as_mask(mask)
     rest, biases = masks.split_additive(m, (1, 2, 5, 5))
     mods = m.score_mods if m is not None else ()
     t = _tiles.Tiles(q, k, v, rest, biases, mods, scale=0.5, block_q=4, block_k=4, mask_shape=(1, 2, 5, 5))
-    assert t.base2 is base2
+    assert (t.base2, t.plain) == (base2, plain)
     assert torch.allclose(t.q, q.reshape(2, 5, 4) * (0.5 * (_tiles.LOG2E if base2 else 1.0)), rtol=1e-6, atol=0)
 
 

@@ -5,8 +5,9 @@ shift underflows or overflows whole tiles, and the damage depends on which tile 
 With tiles of 1 to 6 keys and queries, a few dozen keys give several tiles, and Hypothesis
 draws, per (query tile, key tile), an offset far below or far above exp's range (±90 is
 past float32's, ±800 past float64's), added as a bias tensor or built into the scores q·k
-themselves (the kernel keeps scores no bias or score mod touches in base 2, with exp2, and
-the others in base e: both are drawn), key padding that empties the first tiles, rows whose
+themselves (the kernel adds a bias in base 2 and exponentiates with a floor, plain scores
+without one), optionally with an identity score_mod (score mods keep the tiles in base e), key
+padding that empties the first tiles, rows whose
 only visible keys are in the last tile, an optional causal mask, and optionally a random
 permutation of the keys (any tile order). Outputs and the gradients of q, k, v and the bias are
 held to the float64 oracle's rule (:func:`oracle.judge`), in float64, float32 and bfloat16.
@@ -57,18 +58,27 @@ BF16_ONLY = {"chunked, bf16 products"}
 OFFSETS = [0.0, 0.0, -50.0, -90.0, -200.0, -800.0, 50.0, 90.0, 200.0, 800.0]
 
 
-def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> None:
+#: a score_mod that changes nothing: with it the tile kernel keeps its scores in base e
+IDENTITY_MOD = multihead.masks.score_mod(lambda score, b, h, q_idx, kv_idx: score)
+
+
+def run_case(case: Case, block_q: int, block_k: int, path: str = "panels", natural: bool = False) -> None:
     """Every tiled backend on ``case`` with tiles of ``block_q`` x ``block_k``, against the oracle,
-    computed the way :data:`PATHS` names."""
+    computed the way :data:`PATHS` names; ``natural`` (or a path that says so): with
+    :data:`IDENTITY_MOD` (tiles in base e)."""
     oracle = Oracle(lambda dt, sizes=None: oracle_run(case, dt, sizes), head_dim=case.D)
-    panel_scores, threads = PATHS[path]
+    panel_scores, threads, base_e = PATHS[path]
+    natural = natural or base_e
     for name, fn in TILED.items():
         if name in BF16_ONLY and case.dtype != torch.bfloat16:
             continue
 
         def call(leaves, fn=fn):
             q, k, v, parts = case.assemble(leaves)
-            return fn(q, k, v, combine(parts), scale=case.scale, block_q=block_q, block_k=block_k)
+            mask = combine(parts)
+            if natural:
+                mask = IDENTITY_MOD if mask is None else multihead.masks.as_mask(mask) & IDENTITY_MOD
+            return fn(q, k, v, mask, scale=case.scale, block_q=block_q, block_k=block_k)
 
         with panel_budget(panel_scores), torch_threads(threads):
             out, grads = forward_backward(call, case.leaves(), case.grad_out)
@@ -76,10 +86,11 @@ def run_case(case: Case, block_q: int, block_k: int, path: str = "panels") -> No
         assert_agrees(f"{name} tiles {block_q}x{block_k} ({path})", out, grads, oracle, case.dtype)
 
 
-#: how the tiles are computed: (_tiles.PANEL_SCORES, torch threads). "panels": the calling
-#: thread merges tiles into panels; "tiles": one tile at a time; "threads": 3 threads share
-#: the query blocks (each single-threaded, so this module's one-thread rule still holds)
-PATHS = {"panels": (None, 1), "tiles": (1, 1), "threads": (None, 3)}
+#: how the tiles are computed: (_tiles.PANEL_SCORES, torch threads, base e). "panels": the
+#: calling thread merges tiles into panels; "tiles": one tile at a time; "threads": 3 threads
+#: share the query blocks (each single-threaded, so this module's one-thread rule still holds);
+#: "base e": panels, with :data:`IDENTITY_MOD` (the others are in base 2)
+PATHS = {"panels": (None, 1, False), "tiles": (1, 1, False), "threads": (None, 3, False), "base e": (None, 1, True)}
 
 
 @contextlib.contextmanager
@@ -148,7 +159,7 @@ def extreme_tiles(draw):
         case = offsets_in_scores(case, offsets, block_q, block_k)
     if draw(st.booleans()):  # the same problem with its keys in a random order: any tile order
         case = permute_keys(case, torch.randperm(Lk, generator=gen))
-    return case, block_q, block_k, offsets, draw(st.sampled_from(list(PATHS)))
+    return case, block_q, block_k, offsets, draw(st.sampled_from(list(PATHS))), draw(st.booleans())
 
 
 def offsets_in_scores(case: Case, offsets, block_q: int, block_k: int) -> Case:
@@ -180,10 +191,11 @@ def permute_keys(case: Case, perm: torch.Tensor) -> Case:
 @settings(max_examples=60)
 @given(drawn=extreme_tiles())
 def test_tiled_backends_match_float64_oracle_on_extreme_tiles(drawn):
-    case, block_q, block_k, offsets, path = drawn
+    case, block_q, block_k, offsets, path, natural = drawn
     note(f"{case.dtype} B={case.B} H={case.H} Hkv={case.Hkv} Lq={case.Lq} Lk={case.Lk} D={case.D} "
-         f"tiles {block_q}x{block_k} offsets={offsets} masks={[p.kind for p in case.parts]} path={path}")
-    run_case(case, block_q, block_k, path)
+         f"tiles {block_q}x{block_k} offsets={offsets} masks={[p.kind for p in case.parts]} path={path} "
+         f"identity score_mod={natural}")
+    run_case(case, block_q, block_k, path, natural)
 
 
 # --------------------------------------------------------------------------- named shapes
