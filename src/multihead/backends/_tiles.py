@@ -54,12 +54,12 @@ no bias, 1.33 with ALiBi, 1.06 with a bias tensor.
 
 The backward pass recomputes each panel from the saved (q, k, v, out, lse), so training memory
 is O(L) as well: p = exp(s - lse), dV += pᵀ dO, dP = dO Vᵀ, dS = p ⊙ (dP - rowsum(dO ⊙ out)),
-dQ += dS K · scale, dK += dSᵀ Q · scale, and a bias tensor gets dS (in base 2, p = exp2(s·log2(e)
-- lse·log2(e)), and dK, formed from the log2(e)-scaled q, is multiplied by ln 2 once). With score mods, each tile's
-mods are recomputed under autograd and dS is carried back through them with
-``torch.autograd.grad``, which also gives the gradients of the tensors the mods read
-(``part.tensors``, inputs of the autograd function, e.g. a learned bias table a score_mod
-indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
+dQ += dS K · scale, dK += dSᵀ Q · scale, and a bias tensor gets dS (in base 2,
+p = exp2(s·log2(e) - lse·log2(e)), and dK, formed from the log2(e)-scaled q, is multiplied by
+ln 2 once). With score mods, each tile's mods are recomputed under autograd and dS is carried
+back through them with ``torch.autograd.grad``, which also gives the gradients of the tensors
+the mods read (``part.tensors``, inputs of the autograd function, e.g. a learned bias table a
+score_mod indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
 itself: a double backward raises a clear error (use ``backend="reference"``).
 
 Matrix products in bfloat16 (:data:`BF16_PRODUCTS`): for bfloat16 inputs on a CPU with native
