@@ -147,3 +147,39 @@ def test_from_torch_three_dim_mask_unflattens_heads():
     m.check((B, H, 4, 4), torch.device("cpu"))
     t = dense(m, (B, H, 4, 4))
     assert torch.equal(t.keep, ~blocked.view(B, H, 4, 4))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: masks.causal(), lambda: masks.causal("top_left") & masks.window(3),
+    lambda: masks.documents(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]])) & masks.causal(),
+    lambda: masks.chunked_local(4) & masks.window(2, sinks=1),
+])
+def test_row_intervals_and_their_cover_agree_with_the_dense_keep(make):
+    # what kernels read of the structural parts (flex's block masks, the tiles' states): every
+    # key block's seen from the row intervals is any of the dense keep; covered implies all
+    # (two intervals that cover a block together leave it partial: a keep mask, never a wrong
+    # "full"), and is all where the rows have one interval
+    m = make()
+    shape = (1, 2, 9, 9)
+    keep = m.materialize(shape, device=torch.device("cpu"), dtype=torch.float32).keep.expand(1, 9, 9)[0]
+    ivs = m.row_intervals(shape)
+    j = torch.arange(9)
+    dense = torch.zeros(9, 9, dtype=torch.bool)
+    for lo, hi in ivs:
+        dense |= (j >= lo[0].unsqueeze(-1)) & (j < hi[0].unsqueeze(-1))
+    assert torch.equal(dense, keep)
+    k0 = torch.tensor([0, 2, 5, 8])
+    k1 = torch.tensor([2, 5, 8, 9])
+    seen, covered = masks.interval_cover([(lo.unsqueeze(-1), hi.unsqueeze(-1)) for lo, hi in ivs], k0, k1)
+    for b, (a, z) in enumerate(zip(k0.tolist(), k1.tolist())):
+        assert torch.equal(seen[0, :, b], keep[:, a:z].any(dim=-1))
+        full = keep[:, a:z].all(dim=-1)
+        assert not (covered[0, :, b] & ~full).any()
+        if len(ivs) == 1:
+            assert torch.equal(covered[0, :, b], full)
+    for align in ("bottom_right", "top_left"):  # Lq == Lk, and documents with the same ids on both sides
+        assert torch.equal(m.row_diagonals(shape, align)[0], torch.arange(9))
+    if isinstance(m.parts[0], masks.Documents):  # queries of 2 documents against keys of 3: per document
+        docs = masks.documents(torch.tensor([[0, 0, 1, 1]]), torch.tensor([[0, 0, 0, 1, 1, 1]]))
+        assert docs.row_diagonals((1, 1, 4, 6), "bottom_right")[0].tolist() == [1, 2, 4, 5]
+        assert docs.row_diagonals((1, 1, 4, 6), "top_left")[0].tolist() == [0, 1, 3, 4]

@@ -223,6 +223,27 @@ def _max(a: _End, b: _End) -> _End:
 _AnyRows = Union[_Rows, _Row]
 
 
+def interval_cover(intervals: Sequence[tuple[torch.Tensor, torch.Tensor]], k0: Union[int, torch.Tensor],
+                   k1: Union[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seen, covered)`` of the key block ``[k0, k1)`` by rows' key ``intervals`` (a union, from
+    `Mask.row_intervals`, at least one): seen, some key of the block is in it; covered, every
+    key is in one interval (a block two intervals cover together counts as not covered: a
+    partial tile, which costs a keep mask, never a wrong full one). ``k0``, ``k1``: ints, or
+    tensors that broadcast against the ends (e.g. (nk,) against ends with a trailing axis, for
+    nk blocks at once)."""
+    lo_k, hi_k = torch.as_tensor(k0), torch.as_tensor(k1)
+    seen: Optional[torch.Tensor] = None
+    covered: Optional[torch.Tensor] = None
+    for lo, hi in intervals:
+        s = torch.minimum(hi, hi_k) > torch.maximum(lo, lo_k)
+        c = (lo <= lo_k) & (hi >= hi_k)
+        seen = s if seen is None else seen | s
+        covered = c if covered is None else covered | c
+    if seen is None or covered is None:
+        raise ValueError("interval_cover needs at least one interval")
+    return seen, covered
+
+
 def _documents_of(parts: Sequence["Mask"]) -> Optional["Documents"]:
     for p in parts:
         if isinstance(p, Documents):
@@ -401,6 +422,21 @@ class Mask:
                 bias_t = b if bias_t is None else bias_t + b
         return MaskTensors(keep_t, bias_t)
 
+    def row_intervals(self, shape: Shape) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The keys the structural parts (causal, window, documents, chunked_local) leave each
+        query row of ``shape`` = (B, H, Lq, Lk), as a union of intervals ``[lo, hi)``: a list of
+        (lo, hi), each (B|1, Lq) int64 (ends may lie outside [0, Lk)); None without such a part.
+        `interval_cover` reads them per key block."""
+        lq, lk = tuple(shape)[-2:]
+        return _intervals(self.parts, _Rows(_documents_of(self.parts), 0, lq, lq, lk))
+
+    def row_diagonals(self, shape: Shape, align: str) -> torch.Tensor:
+        """The key each query row of ``shape`` = (B, H, Lq, Lk) has on its diagonal, (B|1, Lq)
+        int64, per document (the whole sequence without a documents part); ``align``
+        "bottom_right" or "top_left", as causal's."""
+        lq, lk = tuple(shape)[-2:]
+        return _Rows(_documents_of(self.parts), 0, lq, lq, lk).diagonal(align)
+
     def key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
         """Keys ``[lo, hi)`` that queries ``q0 .. q1-1`` may see at most (``lo >= hi``: none).
 
@@ -464,14 +500,7 @@ class Mask:
             if ends is None or ends[0] == _PARTIAL:  # exact, row by row
                 ivs = _intervals(parts, _Rows(doc, q0, q1, lq, lk))
         if ivs is not None:
-            seen = None
-            covered = None
-            for lo, hi in ivs:
-                s = torch.minimum(hi, torch.full_like(hi, k1)) > torch.maximum(lo, torch.full_like(lo, k0))
-                c = (lo <= k0) & (hi >= k1)
-                seen = s if seen is None else seen | s
-                covered = c if covered is None else covered | c
-            assert seen is not None and covered is not None
+            seen, covered = interval_cover(ivs, k0, k1)
             if not bool(seen.any()):
                 return "empty"
             full = bool(covered.all())

@@ -77,7 +77,7 @@ from .. import trace as _trace
 from .. import masks as _masks
 from .._checks import check_positive_int
 from .._numerics import compute_dtype
-from ..masks import Mask, MaskLike, _tile, as_mask
+from ..masks import Mask, MaskLike, as_mask
 from . import Backend, Call, register
 
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
@@ -265,11 +265,10 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
     shape = tuple(int(n) for n in shape)
     _, _, lq, lk = shape
     parts = mask.parts
-    rows = _masks._Rows(_masks._documents_of(parts), 0, lq, lq, lk)
     selects: list[MaskMod] = []
     adds: list[ScoreMod] = []
     described: list[str] = []
-    ivs = _masks._intervals(parts, rows)
+    ivs = mask.row_intervals(shape)
     if ivs is not None:
         selects.append(_intervals_mod([(lo.to(device), hi.to(device)) for lo, hi in ivs]))
         kinds = " & ".join(p.kind for p in parts if p.is_structural)
@@ -281,11 +280,12 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
             selects.append(part.fn)
             described.append(f"{part!r} -> mask_mod (the function itself)")
         elif isinstance(part, _masks.ALiBi):
-            diagonal = rows.diagonal(part.align).to(device)
+            diagonal = mask.row_diagonals(shape, part.align).to(device)
             adds.append(_alibi(part.slopes.to(device=device, dtype=dtype), diagonal))
             described.append("alibi -> score_mod (slope x distance to the diagonal)")
         else:  # a tensor part (keep, key_padding, bias, nn.MultiheadAttention's 3-D mask): look it up
-            keep_t, bias_t = part._build(shape, device=device, dtype=dtype, rows=rows)
+            built = part.materialize(shape, device=device, dtype=dtype)
+            keep_t, bias_t = built.keep, built.bias
             if keep_t is not None:
                 selects.append(_keep_mod(keep_t))
                 described.append(f"{part.kind} -> mask_mod (a lookup of its {tuple(keep_t.shape)} tensor)")
@@ -310,39 +310,19 @@ def _structural_states(mask: Mask, shape: tuple[int, int, int, int], block_size:
                        nq: int, nk: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(empty, full) (nq, nk) of the structural parts, from each row's key intervals, or None."""
     _, _, lq, lk = shape
-    parts = mask.parts
-    rows = _masks._Rows(_masks._documents_of(parts), 0, lq, lq, lk)
-    ivs = _masks._intervals(parts, rows)
+    ivs = mask.row_intervals(shape)
     if ivs is None:
         return None
     k0 = torch.arange(nk) * block_size
     k1 = (k0 + block_size).clamp(max=lk)
-    seen: Optional[torch.Tensor] = None
-    covered: Optional[torch.Tensor] = None
-    for lo, hi in ivs:  # (B|1, Lq) -> (B|1, Lq, nk)
-        lo, hi = lo.cpu().unsqueeze(-1), hi.cpu().unsqueeze(-1)
-        s = torch.minimum(hi, k1) > torch.maximum(lo, k0)
-        c = (lo <= k0) & (hi >= k1)
-        seen = s if seen is None else seen | s
-        covered = c if covered is None else covered | c
-    assert seen is not None and covered is not None
+    # (B|1, Lq) ends -> (B|1, Lq, nk)
+    seen, covered = _masks.interval_cover([(lo.cpu().unsqueeze(-1), hi.cpu().unsqueeze(-1)) for lo, hi in ivs], k0, k1)
     pad = nq * block_size - lq  # rows past Lq: they see nothing and need nothing
     seen = torch.nn.functional.pad(seen, (0, 0, 0, pad), value=False)
     covered = torch.nn.functional.pad(covered, (0, 0, 0, pad), value=True)
     seen = seen.view(seen.shape[0], nq, block_size, nk).any(dim=2).any(dim=0)
     covered = covered.view(covered.shape[0], nq, block_size, nk).all(dim=2).all(dim=0)
     return ~seen, covered
-
-
-def _tile_code(part: Mask, q0: int, q1: int, k0: int, k1: int, shape: tuple[int, int, int, int],
-               device: torch.device) -> int:
-    """0 empty, 1 partial, 2 full: a non-structural selecting part's state on one tile."""
-    if isinstance(part, _masks.MaskMod):  # from the function's own block plan (made once per shape)
-        return part._tile_state(q0, q1, k0, k1, shape, device)
-    keep_t, _ = part._build(shape, device=device, dtype=torch.float32)
-    if keep_t is None:  # an additive part: it hides nothing
-        return 2
-    return _masks._state_of(_tile(keep_t, q0, q1, k0, k1))
 
 
 def tile_states(mask: Optional[Mask], shape: Shape, *, device: torch.device,
@@ -371,12 +351,12 @@ def tile_states(mask: Optional[Mask], shape: Shape, *, device: torch.device,
             if empty[i, j]:
                 continue
             q0, q1, k0, k1 = i * block_size, min(lq, (i + 1) * block_size), j * block_size, min(lk, (j + 1) * block_size)
-            for part in others:
-                code = _tile_code(part, q0, q1, k0, k1, full_shape, device)
-                if code == 0:
+            for part in others:  # a mask_mod answers from its own block plan (made once per shape)
+                state = part.tile_state(q0, q1, k0, k1, full_shape, device=device)
+                if state == "empty":
                     empty[i, j] = True
                     break
-                if code == 1:
+                if state == "partial":
                     full[i, j] = False
     return empty, full & ~empty
 
