@@ -522,6 +522,22 @@ def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs)
     assert verdict.ok, str(verdict)
 
 
+@pytest.mark.parametrize("jump", [5.0, 60.0])
+def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump):
+    # the tile count is per pass (it was the sum of both passes: "18 computed of about 9")
+    q, k, v = qkv(B=1, H=2, Lq=300, Lk=300, D=4, dtype=torch.float64, seed=11)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True) * 0.1
+    k[:, :, 280:] = q[:, :, :1] * jump * 2
+    q, k, v = q.float(), k.float(), v.float()
+    with mh.trace() as t:
+        mh.attention(q, k, v, backend="chunked")
+    (step,) = t.steps
+    n = math.ceil(300 / chunked.BLOCK_ROWS) * math.ceil(300 / chunked.BLOCK_K)
+    assert f"{n} computed of about {n}" in step.note
+    assert ("second, checked pass" in step.note) == (jump > 44)
+
+
 @pytest.mark.parametrize("kind,base2,plain", [("causal", True, True), ("keep", True, True), ("mask_mod", True, True),
                                                ("none", True, True), ("alibi", True, False), ("bias", True, False),
                                                ("softcap", False, True), ("score_mod", False, True)])

@@ -161,16 +161,19 @@ def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
     if dropout_p > 0:
         raise ValueError(f"the chunked backend does not do dropout (got dropout_p={dropout_p}); "
                          "use backend='sdpa' or 'reference' for dropout")
-    before = BLOCKS_COMPUTED["forward"]
+    before, redone_before = BLOCKS_COMPUTED["forward"], BLOCKS_COMPUTED["redone"]
     out, lse = chunked_attention(q, k, v, mask, scale=scale, return_lse=True)
     tr = _trace.current()
     if tr is not None:
         groups = q.shape[1] // k.shape[1]
         bq, bk = default_block_q(groups), BLOCK_K
         total = math.ceil(q.shape[2] / bq) * math.ceil(k.shape[2] / bk)
+        # panels redone with the exact max mean the forward ran a second, checked pass
+        redone = BLOCKS_COMPUTED["redone"] - redone_before
         tr.record(_steps.FUSED_ATTENTION, out, params={
             "backend": "chunked", "block_q": bq, "block_k": bk,
-            "tiles_computed": BLOCKS_COMPUTED["forward"] - before, "tiles_total": total,
+            "tiles_computed": (BLOCKS_COMPUTED["forward"] - before) // (2 if redone else 1), "tiles_total": total,
+            "redone": redone,
             "lk": k.shape[2], "head_dim": q.shape[-1],
             "mask_kinds": tuple(p.kind for p in mask.parts) if mask is not None else (),
         })
