@@ -256,8 +256,9 @@ def _scale_note(v: Mapping[str, Any], lang: str) -> str:
     s, d = v["scale"], v["head_dim"]
     if v.get("default", True):
         return f"× {s:.6g} (1/√D when D = {d})" if lang == "en" else f"× {s:.6g}（D = {d} 时即 1/√D）"
-    d = default_scale(d)
-    return f"× {s:.6g} (given; 1/√D would be {d:.6g})" if lang == "en" else f"× {s:.6g}（给定的值；1/√D 为 {d:.6g}）"
+    default = default_scale(d)
+    return (f"× {s:.6g} (given; 1/√D would be {default:.6g})" if lang == "en"
+            else f"× {s:.6g}（给定的值；1/√D 为 {default:.6g}）")
 
 
 def _rope_note(v: Mapping[str, Any], lang: str) -> str:
