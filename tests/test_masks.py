@@ -183,3 +183,20 @@ def test_row_intervals_and_their_cover_agree_with_the_dense_keep(make):
         docs = masks.documents(torch.tensor([[0, 0, 1, 1]]), torch.tensor([[0, 0, 0, 1, 1, 1]]))
         assert docs.row_diagonals((1, 1, 4, 6), "bottom_right")[0].tolist() == [1, 2, 4, 5]
         assert docs.row_diagonals((1, 1, 4, 6), "top_left")[0].tolist() == [0, 1, 3, 4]
+
+
+def test_every_kind_declares_its_role():
+    """One taxonomy: kernels and explanations read `Mask.role`, never a list of kinds."""
+    t = torch.ones(2, 2)
+    want = {
+        "select": [masks.causal(), masks.window(1), masks.chunked_local(2), masks.documents(torch.tensor([0, 0])),
+                   masks.keep(t.bool()), masks.key_padding(torch.ones(1, 2, dtype=torch.bool)),
+                   masks.mask_mod(lambda b, h, q, kv: q >= kv), masks.from_torch(t.bool())],
+        "add": [masks.bias(t), masks.alibi([0.5]), masks.from_torch(torch.zeros(2, 2, 2))],
+        "modify": [masks.softcap(5.0), masks.score_mod(lambda s, b, h, q, kv: s)],
+        "denominator": [masks.sink(torch.zeros(1))],
+    }
+    assert tuple(want) == masks.ROLES
+    for role, ms in want.items():
+        for m in ms:
+            assert [p.role for p in m.parts] == [role], repr(m)

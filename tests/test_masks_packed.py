@@ -13,6 +13,7 @@ import torch
 
 import multihead
 from multihead import masks
+from multihead.backends import chunked
 from ref64 import documents_keep, random_qkv
 
 BACKENDS = ["reference", "sdpa", "chunked"]
@@ -283,3 +284,33 @@ def test_module_positions_need_rope():
     mha = multihead.MultiHeadAttention(8, 2, causal=True)
     with pytest.raises(ValueError, match="rope=False; build it with rope=True"):
         mha(torch.randn(1, 3, 8), positions=torch.arange(3))
+
+
+@pytest.mark.parametrize("extra", ["alibi", "causal_alibi", "window_alibi"])
+def test_alibi_aligns_per_document_on_tiles_the_mask_shows_whole(extra):
+    """Issue 21, defect 1: on a tile the selecting parts show whole, the chunked kernel built
+    the ALiBi part without the documents it aligns to, so ALiBi sat on the whole call's
+    diagonal (1.2 off at default tiles when queries and keys have different lengths). Small
+    tiles make whole tiles at small lengths; every document is checked against running it alone."""
+    parts = {"alibi": lambda: masks.alibi(masks.alibi_slopes(4)),
+             "causal_alibi": lambda: masks.causal() & masks.alibi(masks.alibi_slopes(4)),
+             "window_alibi": lambda: masks.window(6) & masks.alibi(masks.alibi_slopes(4))}[extra]
+    q_ids = torch.tensor([0] * 9 + [1] * 13 + [2] * 6)
+    kv_ids = torch.tensor([0] * 12 + [1] * 17 + [2] * 10)
+    q, k, v = random_qkv(B=1, H=4, Hkv=2, Lq=28, Lk=39, D=8, seed=3, grad=True)
+    m = masks.documents(q_ids, kv_ids) & parts()
+    alone = _alone(q, k, v, q_ids.view(1, -1), kv_ids.view(1, -1), parts, "reference")
+    got = chunked.chunked_attention(q, k, v, m, block_q=2, block_k=3)
+    assert (got - alone).abs().max() <= 1e-12
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(alone, (q, k, v), g)):
+        assert (a - b).abs().max() <= 1e-12
+    # the issue's own call: default tiles through multihead.attention, and selected weights
+    qd, kd, vd = random_qkv(B=1, H=4, Lq=1000, Lk=1300, D=8, seed=4)
+    md = masks.from_seqlens([300, 500, 200], [400, 600, 300]) & masks.alibi(masks.alibi_slopes(4))
+    ref = multihead.attention(qd, kd, vd, md, backend="reference")
+    assert (multihead.attention(qd, kd, vd, md, backend="chunked") - ref).abs().max() <= 1e-12
+    rows = list(range(0, 1000, 37))
+    w = multihead.attention_weights(qd, kd, md, heads=[1, 3], rows=rows)
+    full = multihead.attention_weights(qd, kd, md)[:, [1, 3]][:, :, rows]
+    assert (w - full).abs().max() <= 1e-12

@@ -145,10 +145,13 @@ __all__ = [
     "from_torch",
     "split_additive",
     "ALIGNMENTS",
+    "ROLES",
     "TILE_STATES",
 ]
 
 ALIGNMENTS = ("bottom_right", "top_left")
+#: what `Mask.role` answers
+ROLES = ("select", "add", "modify", "denominator")
 #: what `Mask.tile_state` answers
 TILE_STATES = ("empty", "partial", "full")
 
@@ -311,12 +314,16 @@ class Mask:
     #: what a leaf is, for messages ("causal", "window", "keep", "bias", "padding", "torch",
     #: "documents", "chunked_local", "mask_mod", "alibi", "score_mod", "softcap", "sink")
     kind: ClassVar[str]
+    #: what the part does to the scores, one of `ROLES`: "select" hides keys (causal, window,
+    #: documents, chunked_local, keep, key_padding, mask_mod, a bool torch mask), "add" adds a
+    #: float tensor (bias, alibi, a float torch mask), "modify" rewrites them (score_mod,
+    #: softcap), "denominator" adds a term to the softmax's denominator (sink). Consumers read
+    #: the role, never a list of kinds.
+    role: str = "select"
     #: whether the part modifies scores (`apply_block`)
     is_score_mod: ClassVar[bool] = False
     #: whether the part selects by key intervals per query (`_intervals`)
     is_structural: ClassVar[bool] = False
-    #: whether the part only selects (builds a keep, never a bias): skipped on a full tile
-    selects_only: ClassVar[bool] = False
     #: whether `_build_block` reads the rows' geometry (``rows=``)
     needs_rows: ClassVar[bool] = False
 
@@ -514,7 +521,8 @@ class Mask:
         return "full" if full else "partial"
 
     def block(
-        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype
+        self, q0: int, q1: int, k0: int, k1: int, shape: Shape, *, device: torch.device, dtype: torch.dtype,
+        whole: bool = False,
     ) -> MaskTensors:
         """The mask of the tile queries ``q0 .. q1-1`` x keys ``k0 .. k1-1`` of ``shape`` = (B, H, Lq, Lk).
 
@@ -522,12 +530,15 @@ class Mask:
         part restricts the tile (structural parts that allow all of it build nothing, nor does
         anything selecting on a tile a plan says is full). Tensor parts are sliced, not copied;
         only the tile's own grids are built (a mask_mod is evaluated on the tile's indices).
+        ``whole=True``: the caller knows the selecting parts show the whole tile (`tile_state`
+        said "full"), so no part whose role is "select" is evaluated and ``keep`` is None; the
+        parts that add still see the rows' documents (ALiBi aligns per document).
         """
         shape = tuple(shape)
         lq, lk = shape[-2:]
         parts = self.parts
         plan = self.plan
-        full = plan is not None and plan.shape == shape and plan.tile_state(q0, q1, k0, k1) == "full"
+        full = whole or (plan is not None and plan.shape == shape and plan.tile_state(q0, q1, k0, k1) == "full")
         doc = _documents_of(parts)
         rows: Optional[_Rows] = None
         keep_t: Optional[torch.Tensor] = None
@@ -544,7 +555,7 @@ class Mask:
         for part in parts:
             if part.is_structural:
                 continue
-            if full and part.selects_only:
+            if full and part.role == "select":
                 continue
             if rows is None and part.needs_rows:
                 rows = _Rows(doc, q0, q1, lq, lk)
@@ -935,7 +946,6 @@ class Keep(Mask):
     """A boolean tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
 
     kind: ClassVar[str] = "keep"
-    selects_only: ClassVar[bool] = True
 
     def __init__(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor):
@@ -967,6 +977,7 @@ class Bias(Mask):
     """
 
     kind: ClassVar[str] = "bias"
+    role = "add"
 
     def __init__(self, t: torch.Tensor):
         if not isinstance(t, torch.Tensor):
@@ -1002,7 +1013,6 @@ class KeyPadding(Mask):
     """A bool (B, Lk) tensor, True for real tokens, False for padding keys."""
 
     kind: ClassVar[str] = "padding"
-    selects_only: ClassVar[bool] = True
 
     def __init__(self, keep_t: torch.Tensor):
         if not isinstance(keep_t, torch.Tensor):
@@ -1213,6 +1223,7 @@ class _TorchHeadsMask(Mask):
 
     def __init__(self, t: torch.Tensor):
         self.tensor = t
+        self.role = "select" if t.dtype == torch.bool else "add"
 
     @classmethod
     def wrap(cls, t: torch.Tensor) -> Mask:
@@ -1294,7 +1305,6 @@ class MaskMod(Mask):
     evaluated on one tile's index tensors at a time."""
 
     kind: ClassVar[str] = "mask_mod"
-    selects_only: ClassVar[bool] = True
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         if not callable(fn):
@@ -1412,6 +1422,7 @@ class ScoreMod(_BuildsNothing):
     tile's scores (after the biases, before the selection)."""
 
     kind: ClassVar[str] = "score_mod"
+    role = "modify"
     is_score_mod: ClassVar[bool] = True
 
     def __init__(self, fn: Callable[..., torch.Tensor], tensors: Optional[Sequence[torch.Tensor]] = None):
@@ -1492,6 +1503,7 @@ class Sink(_BuildsNothing):
     (Σ_j exp(s_ij) + exp(sink_h))`` (gpt-oss's ``s_aux``); the weights of a row sum to less than 1."""
 
     kind: ClassVar[str] = "sink"
+    role = "denominator"
 
     def __init__(self, logits: torch.Tensor):
         if not isinstance(logits, torch.Tensor):
@@ -1523,6 +1535,7 @@ class ALiBi(Mask):
     ``alibi_slopes`` rule."""
 
     kind: ClassVar[str] = "alibi"
+    role = "add"
     needs_rows: ClassVar[bool] = True
 
     def __init__(self, slopes: Union[torch.Tensor, Sequence[float]], align: str = "bottom_right"):

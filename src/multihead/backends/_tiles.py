@@ -103,7 +103,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
-from ..masks import AllOf, Mask, split_additive
+from ..masks import Mask, split_additive
 
 __all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "BF16_PRODUCTS", "Tiles", "attend", "merge",
            "with_sink", "native_bf16", "cpu_features", "bf16_products"]
@@ -126,8 +126,6 @@ BF16_PRODUCTS: Optional[bool] = None
 BLOCKS_COMPUTED: Counter = Counter()
 
 _NEG_INF = float("-inf")
-#: the kinds of mask part that only select (hide scores), never add to them
-_SELECTING = frozenset({"keep", "padding", "mask_mod", "sink", "score_mod", "softcap"})
 #: /proc/cpuinfo flags that mean native bfloat16 matrix products
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -194,17 +192,17 @@ class Tiles:
         self.cdt = compute_dtype(q.dtype)
         self.scale = scale
         self.rest, self.biases, self.mods = rest, tuple(biases), tuple(mods)
-        # for tiles the mask shows whole: the parts that may still add to the scores (ALiBi,
-        # torch masks), so that no selecting part (e.g. a mask_mod) is evaluated there
-        adding = [] if rest is None else [p for p in rest.parts if not p.is_structural and p.kind not in _SELECTING]
-        self.rest_adding: Optional[Mask] = None if not adding else adding[0] if len(adding) == 1 else AllOf(adding)
+        # on tiles the mask shows whole only the parts that add (ALiBi, float torch masks) are
+        # built, through ``rest.block(..., whole=True)``: no selecting part (e.g. a mask_mod) is
+        # evaluated there, and ALiBi still sees the documents it aligns to
+        self.rest_adds = rest is not None and any(p.role == "add" for p in rest.parts)
         #: without score mods the scores are kept in base 2 (see the module docstring): q is
         #: scaled by scale·log2(e), added parts by log2(e), the exponential is exp2, shifts are in
         #: base 2 and lse is returned in base e
         self.base2 = not self.mods
         #: nothing is added to the scores: no finite score far below its row's max but the ones
         #: q·k itself gives, so exp2 runs without the floor (see :meth:`exp_`)
-        self.plain = not self.biases and self.rest_adding is None
+        self.plain = not self.biases and not self.rest_adds
         self.score_scale = scale * LOG2E if self.base2 else scale
         self.mask_shape = tuple(mask_shape)
         self.mask_heads = mask_heads
@@ -263,10 +261,9 @@ class Tiles:
         nq = r1 - r0
         tiles = [(_tile4(b, a0, a0 + nq, k0, k1), False) for b in self.biases]  # heads picked already
         keep = None
-        part = self.rest_adding if whole else self.rest
-        if part is not None:
-            mt = part.block(a0, a0 + nq, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt)
-            keep = None if whole else mt.keep
+        if self.rest is not None and (self.rest_adds or not whole):
+            mt = self.rest.block(a0, a0 + nq, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt, whole=whole)
+            keep = mt.keep
             if mt.bias is not None:
                 tiles.append((mt.bias, True))
         if tiles:

@@ -274,7 +274,7 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
         kinds = " & ".join(p.kind for p in parts if p.is_structural)
         described.append(f"{kinds} -> mask_mod (the key intervals of each row, {len(ivs)} per row)")
     for part in parts:
-        if part.is_structural or part.is_score_mod or part.kind == "sink":
+        if part.is_structural or part.role in ("modify", "denominator"):
             continue
         if isinstance(part, _masks.MaskMod):
             selects.append(part.fn)
@@ -343,7 +343,7 @@ def tile_states(mask: Optional[Mask], shape: Shape, *, device: torch.device,
     structural = _structural_states(mask, full_shape, block_size, nq, nk)
     if structural is not None:
         empty, full = structural
-    others = [p for p in mask.parts if not (p.is_structural or p.is_score_mod or p.kind in ("sink", "alibi", "bias"))]
+    others = [p for p in mask.parts if p.role == "select" and not p.is_structural]
     if others and torch.compiler.is_compiling():  # traced: no branch on tile contents; a tile the
         return empty, torch.zeros_like(full)     # other parts may hide is evaluated (partial)
     for i in range(nq):
