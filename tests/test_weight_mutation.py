@@ -304,3 +304,67 @@ def test_module_built_under_inference_mode_runs_under_it(kind):
     with torch.no_grad():
         assert torch.equal(out, plain(*args))
         assert torch.equal(m(*args), out)  # and it still runs outside inference_mode
+
+
+# ------------------------------------------------------- every cache vs a change of its inputs
+# Issue 21: the block plan a mask_mod makes for itself was kept per shape and never made again,
+# so after ``t.copy_(new)`` the chunked backend followed the old tensor and the reference the new
+# one. Each cache of the library is changed under here in every way the weights are above.
+TENSOR_CHANGES = {
+    "copy_": lambda t, new: t.copy_(new),
+    "data_write": lambda t, new: t.data.copy_(new),
+    "index_write": lambda t, new: t.__setitem__(slice(None), new),
+    "numpy_view": lambda t, new: t.numpy().__setitem__(slice(None), new.numpy()),
+}
+
+
+@pytest.mark.parametrize("change", list(TENSOR_CHANGES))
+def test_a_mask_mods_block_plan_follows_the_tensor_it_reads(change):
+    """GQA 8/2, a mask_mod reading a (Lk,) keep tensor: every tile is full at first, then half
+    the keys are hidden in place; chunked must follow as the reference does (float64, 1e-12)."""
+    from multihead import masks
+    from ref64 import random_qkv
+
+    L = 300
+    allowed = torch.ones(L, dtype=torch.bool)
+    m = masks.mask_mod(lambda b, h, q_idx, kv_idx: allowed[kv_idx] | (q_idx == kv_idx))
+    q, k, v = random_qkv(B=1, H=8, Hkv=2, Lq=L, Lk=L, D=8, seed=5)
+    for step in range(2):
+        ref = mh.attention(q, k, v, m, backend="reference")
+        got = mh.attention(q, k, v, m, backend="chunked")
+        assert (got - ref).abs().max() <= 1e-12, f"call {step}"
+        new = torch.arange(L) % 3 != 0 if step == 0 else torch.arange(L) % 2 == 0
+        TENSOR_CHANGES[change](allowed, new)
+    assert not torch.equal(mh.attention(q, k, v, m, backend="reference"), ref)  # the change mattered
+
+
+def test_documents_keep_the_ids_they_were_built_with():
+    """A documents mask is a value: an in-place change of the caller's ids changes no backend's
+    result (before, ``mask.q_ids`` followed the caller while the geometry did not)."""
+    from multihead import masks
+    from ref64 import random_qkv
+
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    m = masks.documents(ids) & masks.causal()
+    q, k, v = random_qkv(B=1, H=2, Lq=8, Lk=8, D=4, seed=6)
+    before = {b: mh.attention(q, k, v, m, backend=b) for b in ("reference", "chunked")}
+    ids.copy_(torch.tensor([0, 1, 1, 1, 1, 1, 1, 2]))
+    assert torch.equal(m.parts[0].q_ids, torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]]))
+    for b, out in before.items():
+        assert torch.equal(mh.attention(q, k, v, m, backend=b), out), b
+
+
+@pytest.mark.parametrize("change", list(TENSOR_CHANGES) + ["reassigned"])
+def test_rope_tables_follow_their_frequencies(change):
+    """RoPE keeps cos/sin tables per (device, dtype); a change of ``inv_freq`` makes them again."""
+    rope = mh.RoPE(8)
+    x = torch.randn(1, 1, 5, 8, dtype=torch.float64)
+    rope(x)
+    new = rope.inv_freq * 0.25
+    if change == "reassigned":
+        rope.inv_freq = new
+    else:
+        TENSOR_CHANGES[change](rope.inv_freq, new)
+    fresh = mh.RoPE(8)
+    fresh.inv_freq = new.clone()
+    assert torch.equal(rope(x), fresh(x))

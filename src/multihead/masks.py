@@ -73,7 +73,8 @@ Packed sequences. ``documents(ids)`` takes per-token document ids, (B, L) or (L,
 each document's tokens form one contiguous run (any order of runs, any id values; ids below 0
 are padding tokens, which see nothing and are seen by no one). ``documents(q_ids, kv_ids)``
 gives the queries' and the keys' ids apart (a decode step over a cache of packed documents,
-or cross attention). Within each document, causal/window/chunked_local/alibi place the
+or cross attention). The mask keeps a copy of the ids: changing the given tensor afterwards
+changes no mask built from it (build a new one). Within each document, causal/window/chunked_local/alibi place the
 diagonal as they do for a whole sequence: bottom-right aligns the document's last query with
 its last key (as flash-attn's varlen kernels do per sequence), top-left its first with its first.
 When queries and keys are the same tokens this is plain causal attention inside each document,
@@ -98,7 +99,7 @@ keep tensor for full ones); `Mask.block` builds the keep and bias tensors of one
 never the full (Lq, Lk) mask, and no keep at all where the selecting parts allow the whole tile.
 A mask_mod's tile states come from a `BlockPlan` (like FlexAttention's ``BlockMask``), computed
 once per shape from the function and kept on the object, so a mask shared by several layers
-plans once; `block_plan` makes one for any mask and `Mask.with_plan` attaches it.
+plans once; it is made again when a tensor the function reads has changed (compared by value); `block_plan` makes one for any mask and `Mask.with_plan` attaches it.
 
 Details Contract A leaves open, as decided here: index tensors are int64; `Mask.apply_block`
 and `Mask.tensors` exist on every mask (all its score mods in written order; nothing without
@@ -830,8 +831,10 @@ class Documents(Mask):
 
     def __init__(self, q_ids: torch.Tensor, kv_ids: Optional[torch.Tensor] = None, *, source: str = "ids",
                  lengths: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = None):
-        self.q_ids = _check_ids(q_ids, "documents q_ids" if kv_ids is not None else "documents ids")
-        self.kv_ids = self.q_ids if kv_ids is None else _check_ids(kv_ids, "documents kv_ids")
+        # the mask keeps its own copy of the ids: its geometry is computed from them once, and every
+        # backend reads that, so a later in-place change of the caller's ids changes nothing here
+        self.q_ids = _check_ids(q_ids, "documents q_ids" if kv_ids is not None else "documents ids").clone()
+        self.kv_ids = self.q_ids if kv_ids is None else _check_ids(kv_ids, "documents kv_ids").clone()
         if self.kv_ids.device != self.q_ids.device:
             raise ValueError(f"documents kv_ids are on {self.kv_ids.device} but q_ids on {self.q_ids.device}; move them together")
         bq, bk = self.q_ids.shape[0], self.kv_ids.shape[0]
@@ -1310,7 +1313,9 @@ class MaskMod(Mask):
         if not callable(fn):
             raise TypeError(f"mask_mod takes a function fn(b, h, q_idx, kv_idx) -> bool tensor, got {type(fn).__name__}")
         self.fn = fn
-        self._plans: dict[tuple[tuple[int, ...], str], BlockPlan] = {}
+        #: (shape, device) -> the plan and what it was made from: each tensor the function read
+        #: with a copy of its values then
+        self._plans: dict[tuple[tuple[int, ...], str], tuple[BlockPlan, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def _evaluate(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> torch.Tensor:
         batch, heads = shape[0], shape[1]
@@ -1351,13 +1356,19 @@ class MaskMod(Mask):
         return (out.shape[0] if batch > 1 else 1, out.shape[1] if heads > 1 else 1, lq, lk)
 
     def own_plan(self, shape: Shape, device: Optional[torch.device] = None) -> "BlockPlan":
-        """The block plan of this function alone for ``shape`` (made once, then kept)."""
+        """The block plan of this function alone for ``shape``: made once, and made again when a
+        tensor the function reads (`_captured`) is another tensor or holds other values than
+        when the plan was made. The values are compared with a copy kept beside the plan, so
+        every way of changing them counts (in-place ops, ``.data`` writes, numpy views), at the
+        cost of one comparison of those tensors per call."""
         dev = device if device is not None else _captured_device(self.fn)
         key = (tuple(shape), str(dev))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = block_plan(self, shape, device=dev)
-            self._plans[key] = plan
+        captured = _captured(self.fn)
+        held = self._plans.get(key)
+        if held is not None and _unchanged(held[1], captured):
+            return held[0]
+        plan = block_plan(self, shape, device=dev)
+        self._plans[key] = (plan, [(t, t.detach().clone()) for t in captured])
         return plan
 
     def _tile_state(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> int:
@@ -1395,6 +1406,15 @@ def _captured(fn: Callable[..., object]) -> list[torch.Tensor]:
         elif isinstance(obj, torch.Tensor):
             out.setdefault(id(obj), obj)
     return list(out.values())
+
+
+def _unchanged(held: list[tuple[torch.Tensor, torch.Tensor]], now: list[torch.Tensor]) -> bool:
+    """Whether ``now`` (from `_captured`) are the tensors ``held`` pairs with copies of their
+    values, with the same values."""
+    return len(held) == len(now) and all(
+        t is n and t.shape == c.shape and t.dtype == c.dtype and bool(torch.equal(t.detach(), c))
+        for (t, c), n in zip(held, now)
+    )
 
 
 def _captured_device(fn: Callable[..., object]) -> torch.device:

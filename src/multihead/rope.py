@@ -172,7 +172,8 @@ class RoPE:
 
     The frequencies and the cos/sin tables are computed in float64; the tables are cached per
     (device, dtype) and grow on demand (doubling), so a sequence of any length works and the table
-    is not rebuilt on every step.
+    is not rebuilt on every step. They are made again when ``inv_freq`` changes (in place or
+    reassigned).
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, *, scaling: Optional[RoPEScaling] = None):
@@ -193,7 +194,9 @@ class RoPE:
         # theta_i = base^(-2i/D), i = 0 .. D/2-1, then the scaling rule
         inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
         self.inv_freq = inv_freq if scaling is None else scaling.apply(inv_freq)
-        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: (device, dtype) -> cos, sin, and the frequencies they were made from (the tensor and a
+        #: copy of its values: a change of either makes the tables again)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
 
     def __repr__(self) -> str:
         scaling = "" if self.scaling is None else f", scaling={self.scaling}"
@@ -209,12 +212,15 @@ class RoPE:
             # no table cache in a compiled graph: a dict that the first call fills would make
             # dynamo's guards fail on the second call (a recompile); the same float64 angles
             return _cos_sin(torch.arange(offset, end, dtype=torch.float64), self.inv_freq, key[0], dtype)
-        cached = self._tables.get(key)
-        if cached is None or cached[0].shape[0] < end:
-            size = max(end, 2 * cached[0].shape[0] if cached is not None else 256)
-            cached = _cos_sin(torch.arange(size, dtype=torch.float64), self.inv_freq, key[0], dtype)
-            self._tables[key] = cached
-        return cached[0][offset:end], cached[1][offset:end]
+        held = self._tables.get(key)
+        if held is not None and not (held[2] is self.inv_freq and torch.equal(held[3], self.inv_freq)):
+            held = None  # the frequencies changed (in place or reassigned) since the tables were made
+        if held is None or held[0].shape[0] < end:
+            size = max(end, 2 * held[0].shape[0] if held is not None else 256)
+            cos, sin = _cos_sin(torch.arange(size, dtype=torch.float64), self.inv_freq, key[0], dtype)
+            held = (cos, sin, self.inv_freq, self.inv_freq.clone())
+            self._tables[key] = held
+        return held[0][offset:end], held[1][offset:end]
 
     def __call__(self, x: torch.Tensor, offset: int = 0, *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, H, L, D) rotated for positions ``offset ... offset + L - 1``, or for ``positions``,
