@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -571,3 +572,132 @@ def test_masks_of_few_dimensions_broadcast(backend, shape):
         atol = 2 * FLOOR_ULPS * torch.finfo(torch.float32).eps * V.abs().max().item()
         torch.testing.assert_close(got, want, rtol=0, atol=atol)
 
+
+
+# --------------------------------------------------------------------------- boundary values
+# Issue 21, defect 3: window(0, sys.maxsize) wrapped int64 (2.3 off on every backend), window(10**20),
+# chunked_local(10**20) and window(1, sinks=10**20) failed deep inside torch with OverflowError,
+# softcap(1e39) became inf in float32 and every output NaN. Every public constructor taking a
+# number gets the boundary values; each either refuses by name (ValueError/TypeError naming what
+# was wrong) or gives a mask whose outputs are finite and agree between the backends.
+BOUNDARY = [0, 1, -1, sys.maxsize, 2**63, 10**20, 1e38, 1e39, math.inf, -math.inf, math.nan, "9" * 100_000]
+
+
+def _tensor_or(v, heads=2):
+    """A float64 (heads,) tensor of ``v`` where v is a number, else ``v`` itself (a wrong type)."""
+    return torch.full((heads,), float(v), dtype=torch.float64) if isinstance(v, (int, float)) else v
+
+
+CONSTRUCTORS = {  # what the refusal must name
+    "window left": (lambda v: masks.window(v), "window"),
+    "window right": (lambda v: masks.window(0, v), "window"),
+    "window sinks": (lambda v: masks.window(1, sinks=v), "sinks"),
+    "chunked_local chunk": (lambda v: masks.chunked_local(v), "chunk"),
+    "softcap cap": (lambda v: masks.softcap(v), "cap"),
+    "sink logits": (lambda v: masks.sink(_tensor_or(v)), "sink"),
+    "alibi slopes": (lambda v: masks.alibi(_tensor_or(v)), "alibi"),
+    "alibi slopes list": (lambda v: masks.alibi([v, v]), "alibi"),
+    "alibi_slopes heads": (lambda v: masks.alibi(masks.alibi_slopes(v)), "heads"),
+    "from_seqlens lengths": (lambda v: masks.from_seqlens([v, 2]), "lengths"),
+    "from_cu_seqlens": (lambda v: masks.from_cu_seqlens([0, v]), "cu_seqlens"),
+}
+
+
+@pytest.mark.parametrize("value", BOUNDARY, ids=[repr(v)[:12] for v in BOUNDARY])
+@pytest.mark.parametrize("what", list(CONSTRUCTORS))
+def test_boundary_values_refuse_by_name_or_give_finite_agreeing_outputs(what, value):
+    make, names = CONSTRUCTORS[what]
+    try:
+        m = make(value)
+    except (ValueError, TypeError) as e:
+        assert names in str(e), str(e)
+        return
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = qkv(dtype, B=1, H=2, Hkv=2, Lq=5, Lk=7)
+        if what.startswith("from_"):  # the lengths must be the call's
+            n = sum(len(p.q_ids[0]) for p in m.parts)
+            if n > 64:
+                return
+            q, k, v = qkv(dtype, B=1, H=2, Hkv=2, Lq=n, Lk=n)
+        try:
+            ref = multihead.attention(q, k, v, m, backend="reference")
+        except (ValueError, TypeError) as e:  # refused at the call: named there
+            assert names in str(e) or "mask" in str(e), str(e)
+            continue
+        got = multihead.attention(q, k, v, m, backend="chunked")
+        assert not ref.isnan().any() and not got.isnan().any()
+        if ref.numel():
+            assert (got.double() - ref.double()).abs().max() <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("big", [sys.maxsize, 2**62, 10**20])
+def test_window_sides_past_any_length_are_unlimited(big):
+    """``sys.maxsize`` is a common way to say unlimited: it means None, on every backend."""
+    q, k, v = qkv(torch.float64, B=1, H=2, Hkv=2, Lq=6, Lk=9)
+    for left, right in ((0, big), (big, 0), (big, big)):
+        want = masks.window(None if left == big else left, None if right == big else right)
+        got = masks.window(left, right)
+        assert (got.left, got.right) == (want.left, want.right)
+        for backend in ("reference", "chunked", "sdpa"):
+            assert torch.equal(multihead.attention(q, k, v, got, backend=backend),
+                               multihead.attention(q, k, v, want, backend=backend)), backend
+
+
+def test_softcap_and_sink_that_overflow_the_scores_dtype_are_refused():
+    q, k, v = qkv(torch.float32, B=1, H=2, Hkv=2, Lq=3, Lk=3)
+    for m, name in ((masks.softcap(1e39), "softcap"), (masks.softcap(1e-46), "softcap"),
+                    (masks.sink(torch.tensor([1e39, 0.0], dtype=torch.float64)), "sink"),
+                    (masks.alibi(torch.tensor([1e39, 1.0], dtype=torch.float64)), "alibi")):
+        with pytest.raises(ValueError, match=name):
+            multihead.attention(q, k, v, m)
+        out = multihead.attention(q.double(), k.double(), v.double(), m)  # float64 holds them
+        assert not out.isnan().any()
+
+
+CLI_BOUNDARY = [
+    ["explain", "--mask", "window:99999999999999999999"],
+    ["explain", "--mask", "window:1:99999999999999999999"],
+    ["explain", "--mask", "chunked_local:99999999999999999999"],
+    ["explain", "--mask", f"window:{sys.maxsize}"],
+]
+
+
+@pytest.mark.parametrize("argv", CLI_BOUNDARY, ids=[" ".join(a) for a in CLI_BOUNDARY])
+def test_cli_counts_past_any_length_mean_unlimited(argv):
+    """Issue 21, defect 6: these raised OverflowError tracebacks; a count past any length is
+    unlimited, so the walkthrough runs and its own checks hold."""
+    out, err = io.StringIO(), io.StringIO()
+    assert cli_main(argv + ["--no-values"], stdout=out, stderr=err) == 0, err.getvalue()
+
+
+CLI_BOUNDARY_MISTAKES = [
+    ["explain", "--mask", "sink:1e308"],
+    ["explain", "--mask", "softcap:1e39"],
+    ["explain", "--mask", "softcap:1e-50"],
+    ["explain", "--mask", "sink:nan"],
+    ["explain", "--tokens", str(sys.maxsize)],
+    ["explain", "--tokens", "99999999999999999999"],
+    ["explain", "--heads", str(2**63)],
+    ["explain", "--seed", "-1"],
+    ["explain", "--dropout", "nan"],
+    ["explain", "--dropout", "1e39"],
+    ["explain", "--layer", "99999999999999999999", "--model", "minilm"],
+    ["explain", "--text", "a " * 50_000, "--model", "minilm"],
+]
+
+
+@pytest.mark.parametrize("argv", CLI_BOUNDARY_MISTAKES, ids=[" ".join(a)[:60] for a in CLI_BOUNDARY_MISTAKES])
+def test_cli_boundary_values_are_one_line_and_exit_2(argv):
+    out, err = io.StringIO(), io.StringIO()
+    assert cli_main(argv, stdout=out, stderr=err) == 2
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("multihead: error: "), lines
+    assert any(a[:40] in lines[0] for a in argv[1:]), lines[0]
+
+
+def test_cli_model_directory_with_a_broken_config_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    out, err = io.StringIO(), io.StringIO()
+    assert cli_main(["explain", "--model", str(tmp_path)], stdout=out, stderr=err) == 2
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "config.json" in lines[0], lines

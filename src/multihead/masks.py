@@ -148,6 +148,7 @@ __all__ = [
     "ALIGNMENTS",
     "ROLES",
     "TILE_STATES",
+    "UNLIMITED",
 ]
 
 ALIGNMENTS = ("bottom_right", "top_left")
@@ -166,6 +167,15 @@ _End = Any
 _Intervals = list[tuple[_End, _End]]
 
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
+
+#: a count of keys at or past this is more than any call holds: window sides this long mean
+#: unlimited (``sys.maxsize`` is a common way to say so), and chunks and sink counts are held
+#: to it, so that the int64 arithmetic of the intervals (d_i + right + 1, ...) cannot wrap
+UNLIMITED = 2**62
+#: the most tokens one packed row may describe (`from_seqlens`, `from_cu_seqlens`), and the most
+#: heads `alibi_slopes` makes slopes for: beyond any call that fits in memory
+MAX_TOKENS = 2**31
+MAX_HEADS = 2**16
 
 
 @dataclass(frozen=True)
@@ -682,6 +692,16 @@ def _tile(t: Optional[torch.Tensor], q0: int, q1: int, k0: int, k1: int) -> Opti
     return t[:, :, rows, cols]
 
 
+def _check_in_range(largest: float, dtype: torch.dtype, what: str) -> None:
+    """ValueError when a part's largest finite magnitude overflows the scores' ``dtype`` (it would
+    turn into inf there, and inf times a distance of 0 into NaN)."""
+    if largest > torch.finfo(dtype).max:
+        raise ValueError(
+            f"{what} reach {largest:g}, past the largest {dtype} ({torch.finfo(dtype).max:g}) the scores are "
+            "computed in; give smaller values"
+        )
+
+
 def _check_align(align: object) -> str:
     if align not in ALIGNMENTS:
         raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
@@ -736,9 +756,9 @@ class Window(Mask):
                 )
         count = _check_count(sinks, "window sinks", minimum=0)  # the first keys kept visible
         self.align: str = _check_align(align)
-        self.left: Optional[int] = None if left is None else int(left)
-        self.right: Optional[int] = None if right is None else int(right)
-        self.sinks: int = count or 0
+        self.left: Optional[int] = None if left is None or int(left) >= UNLIMITED else int(left)
+        self.right: Optional[int] = None if right is None or int(right) >= UNLIMITED else int(right)
+        self.sinks: int = min(count or 0, UNLIMITED)
 
     def _intervals(self, rows: "_AnyRows") -> _Intervals:
         d = rows.diagonal(self.align)
@@ -766,7 +786,7 @@ class ChunkedLocal(Mask):
     def __init__(self, chunk: int, align: str = "bottom_right"):
         c = _check_count(chunk, "chunked_local chunk", minimum=1)
         assert c is not None
-        self.chunk = c
+        self.chunk = min(c, UNLIMITED)  # a chunk past any length: the whole sequence (or document)
         self.align = _check_align(align)
 
     def _intervals(self, rows: "_AnyRows") -> _Intervals:
@@ -1100,7 +1120,8 @@ def window(left: Optional[int], right: Optional[int] = 0, *, align: str = "botto
     """Local attention: query i sees keys i-left ... i+right (aligned like `causal`).
 
     ``window(w)`` is a causal sliding window of w past keys plus the query's own position;
-    ``None`` on a side means unlimited. ``sinks=n`` keeps the first n keys (of the sequence, or
+    ``None`` on a side means unlimited, and so does any count from `UNLIMITED` (2**62) on, such
+    as ``sys.maxsize``. ``sinks=n`` keeps the first n keys (of the sequence, or
     of the document) visible too, up to i+right (StreamingLLM's attention sinks).
 
     >>> import torch
@@ -1512,7 +1533,13 @@ class Softcap(ScoreMod):
         return out
 
     def _probe(self, shape: Shape, device: torch.device, dtype: torch.dtype, name: str) -> None:
-        return None
+        held = float(torch.tensor(self.cap, dtype=dtype))  # the cap as the scores' dtype holds it
+        if held == 0 or not math.isfinite(held):
+            raise ValueError(
+                f"{name} (softcap) has cap {self.cap:g}, which is {held:g} in the scores' dtype {dtype} "
+                f"(every output would be NaN); give a cap between {torch.finfo(dtype).tiny:g} and "
+                f"{torch.finfo(dtype).max:g}"
+            )
 
     def __repr__(self) -> str:
         return f"softcap({self.cap:g})"
@@ -1533,6 +1560,17 @@ class Sink(_BuildsNothing):
         if logits.dim() != 1:
             raise ValueError(f"sink logits must be (H,), one per query head, got shape {tuple(logits.shape)}")
         self.logits = logits
+        #: the largest finite |logit| given, held to the compute dtype's range by `_probe`
+        self._largest = 0.0
+        if not torch.compiler.is_compiling():  # values are read on the host: not in a traced graph
+            t = logits.detach()
+            if bool(torch.isposinf(t).any()) or bool(torch.isnan(t).any()):
+                raise ValueError(
+                    f"sink logits must be finite or -inf (no sink for that head), got {t.tolist()}; "
+                    "a +inf sink would take every row's whole weight"
+                )
+            finite = t[torch.isfinite(t)]
+            self._largest = float(finite.abs().max()) if finite.numel() else 0.0
 
     def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         if self.logits.shape[0] != shape[1]:
@@ -1542,6 +1580,9 @@ class Sink(_BuildsNothing):
             )
         if self.logits.device != device:
             raise ValueError(f"{name} (sink) is on {self.logits.device} but the query is on {device}; move it with .to()")
+
+    def _probe(self, shape: Shape, device: torch.device, dtype: torch.dtype, name: str) -> None:
+        _check_in_range(self._largest, dtype, f"{name} (sink) logits")
 
     def __repr__(self) -> str:
         grad = ", learned" if self.logits.requires_grad else ""
@@ -1572,6 +1613,12 @@ class ALiBi(Mask):
         if slopes.dim() != 1:
             raise ValueError(f"alibi slopes must be (H,), one per query head, got shape {tuple(slopes.shape)}")
         self.slopes = slopes
+        #: the largest |slope|, held to the compute dtype's range by `_probe`
+        self._largest = 0.0
+        if not torch.compiler.is_compiling():  # values are read on the host: not in a traced graph
+            if not bool(torch.isfinite(slopes.detach()).all()):
+                raise ValueError(f"alibi slopes must be finite, got {slopes.detach().tolist()}; use masks.alibi_slopes(H)")
+            self._largest = float(slopes.detach().abs().max()) if slopes.numel() else 0.0
         self.align = _check_align(align)
 
     def _rows_bias(self, rows: _Rows, k0: int, k1: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -1600,6 +1647,9 @@ class ALiBi(Mask):
             )
         if self.slopes.device != device:
             raise ValueError(f"{name} (alibi) slopes are on {self.slopes.device} but the query is on {device}; move them with .to()")
+
+    def _probe(self, shape: Shape, device: torch.device, dtype: torch.dtype, name: str) -> None:
+        _check_in_range(self._largest, dtype, f"{name} (alibi) slopes")
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{s:.4g}" for s in self.slopes.detach().cpu().tolist()[:4])
@@ -1730,6 +1780,10 @@ def _check_lengths(lengths: object, name: str) -> tuple[int, ...]:
         raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {type(lengths).__name__}")
     if any(x < 0 for x in values):
         raise ValueError(f"{name} must be >= 0, got {values}")
+    total = max(values, default=0) if "cu_seqlens" in name else sum(values)  # running sums end at the total
+    if total > MAX_TOKENS:
+        raise ValueError(f"{name} describe more than {MAX_TOKENS} tokens in one packed row (got {values}); "
+                         "no call holds that many: give the documents' real lengths")
     return tuple(values)
 
 
@@ -1890,6 +1944,8 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     [0.25, 0.0625, 0.015625, 0.00390625]
     """
     h = _check_count(heads, "alibi_slopes heads", minimum=1)
+    if h is not None and h > MAX_HEADS:
+        raise ValueError(f"alibi_slopes heads must be <= {MAX_HEADS}, got {heads}; give the model's number of query heads")
     assert h is not None
     n = 2 ** int(math.floor(math.log2(h)))
     slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]

@@ -108,10 +108,16 @@ def _part(spec: str, *, tokens: int, keys: int, heads: int, name: str) -> masks.
         cap = _number(arg, "the cap", bad)
         if cap <= 0:
             raise bad(f"the cap must be > 0 (scores are squashed into (-cap, cap)), got {arg}")
+        f32 = torch.finfo(torch.float32)
+        if not f32.tiny <= cap <= f32.max:
+            raise bad(f"the cap must lie within float32's range ({f32.tiny:g} to {f32.max:g}), got {arg}")
         return masks.softcap(cap)
     if kind == "sink":
         need_arg("sink:0.5 (the sink logit of every head)")
-        return masks.sink(torch.full((heads,), _number(arg, "the sink logit", bad)))
+        logit = _number(arg, "the sink logit", bad)
+        if abs(logit) > torch.finfo(torch.float32).max:
+            raise bad(f"the sink logit must lie within float32's range (±{torch.finfo(torch.float32).max:g}), got {arg}")
+        return masks.sink(torch.full((heads,), logit))
     raise bad(f"unknown kind {kind!r}; the kinds are {', '.join(SPECS)} (e.g. documents:3,2 or softcap:5)")
 
 

@@ -487,7 +487,11 @@ def _open(model: str) -> RealModel:
             return RealModel(model, spec.title, tokenizer, net)
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError) as e:  # e.g. a config.json that is not valid JSON
+            raise ModelError(f"--model {model}: transformers cannot read its config.json "
+                             f"({str(e).splitlines()[0][:160]}); save it with config.save_pretrained") from None
         mapping = cast(Any, AutoModel)._model_mapping
         cls = mapping[type(config)] if type(config) in mapping else None
         if cls is None:
