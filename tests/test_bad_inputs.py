@@ -466,6 +466,21 @@ def test_empty_sequences_give_empty_or_zero_output_and_zero_grads(backend, Lq, L
     assert w.shape == (B, H, Lq, Lk)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "chunked"])
+@pytest.mark.parametrize("Lq,Lk", EMPTY)
+def test_empty_sequences_give_the_lse_of_no_keys(backend, Lq, Lk):
+    """Issue 21, defect 4: return_lse with Lk = 0 raised IndexError (amax) on reference and auto.
+    No key: lse -inf, or the sink's logit with a sink; output 0, gradients 0."""
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for mask, want in ((None, torch.full((H,), -math.inf)), (masks.sink(sink), sink)):
+        q, k, v = (t.requires_grad_(True) for t in qkv(Lq=Lq, Lk=Lk))
+        out, lse = multihead.attention(q, k, v, mask, backend=backend, return_lse=True)
+        assert out.shape == (B, H, Lq, DV) and (out == 0).all()
+        assert lse.shape == (B, H, Lq) and torch.equal(lse, want.view(1, H, 1).expand(B, H, Lq))
+        out.sum().backward()
+        assert all((t.grad == 0).all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("mask", [None, masks.causal()], ids=["no mask", "causal"])
 def test_attention_weights_of_no_heads_or_no_rows_is_empty(mask):
     """heads=[] / rows=[] select nothing, as q[:, []] does: the empty slice of the full weights

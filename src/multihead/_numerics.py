@@ -42,6 +42,8 @@ def finite_row_max(scores: torch.Tensor) -> torch.Tensor:
     """The max over the last axis (kept as size 1), with -inf (a row with no visible key) read
     as 0, so that ``exp(scores - max)`` is 0 there and never NaN. Not differentiated (a shift
     changes no softmax)."""
+    if scores.shape[-1] == 0:  # no keys at all: every row is one with no visible key
+        return scores.new_zeros(*scores.shape[:-1], 1)
     top = scores.amax(dim=-1, keepdim=True).detach()
     return top.masked_fill(top == float("-inf"), 0.0)
 
