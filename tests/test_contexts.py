@@ -29,6 +29,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import multihead
+from multihead import masks
 from multihead.backends import chunked
 from fixed_cases import MASK_KINDS, fixed_case
 from oracle import combine, deterministic_algorithms, judge, torch_threads
@@ -270,6 +271,32 @@ def test_compiled_module_matches_float64_oracle_on_repeated_calls(context):
                 out, grads = f(leaves["query"].detach()), {}
         assert_agrees(f"compiled module under {context}", out, grads, oracle, case.dtype)
     assert _graph_breaks() == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("context", ["grad", "no_grad"])
+def test_compiled_packed_rope_training_call_has_no_graph_break(context):
+    """Issue 21, defect 5: ``positions=`` with a packed mask failed to compile with fullgraph=True
+    (``int(positions.min())`` and ``int(positions.max())`` read on the host). In float64 the
+    compiled calls equal the eager module's, for new positions on every call, and a negative
+    position is still refused, by an op in the graph."""
+    torch.manual_seed(0)
+    mha = multihead.MultiHeadAttention(16, 4, causal=True, rope=True, dtype=torch.float64)
+    f = _compiled(mha)
+    make = torch.no_grad if context == "no_grad" else contextlib.nullcontext
+    for lengths in ([4, 6], [7, 3], [2, 5, 3]):
+        x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=context == "grad")
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        m = masks.from_seqlens(lengths)
+        with make():
+            got, want = f(x, mask=m, positions=pos), mha(x, mask=m, positions=pos)
+        assert (got - want).abs().max() <= 1e-12
+        if context == "grad":
+            g1, = torch.autograd.grad(got.square().sum(), x)
+            g2, = torch.autograd.grad(want.square().sum(), x)
+            assert (g1 - g2).abs().max() <= 1e-12
+    assert _graph_breaks() == 0, dict(counters["graph_break"])
+    with pytest.raises(RuntimeError, match="positions must be >= 0"):
+        f(x.detach(), mask=m, positions=pos - 1)
 
 
 def test_compiled_module_with_inductor_matches_float64_oracle():

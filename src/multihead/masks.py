@@ -113,11 +113,12 @@ Legend: B batch, H query heads, Lq/Lk query/key lengths, bq/bk a tile's query/ke
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence, Union, overload
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Union, overload
 
 import torch
 
@@ -1438,6 +1439,13 @@ def _unchanged(held: list[tuple[torch.Tensor, torch.Tensor]], now: list[torch.Te
     )
 
 
+def _holds(cell: Any, swap: dict[int, torch.Tensor]) -> bool:
+    try:
+        return id(cell.cell_contents) in swap
+    except ValueError:  # an empty cell
+        return False
+
+
 def _captured_device(fn: Callable[..., object]) -> torch.device:
     ts = _captured(fn)
     return ts[0].device if ts else torch.device("cpu")
@@ -1481,6 +1489,37 @@ class ScoreMod(_BuildsNothing):
 
     def _own_tensors(self) -> tuple[torch.Tensor, ...]:
         return self._tensors
+
+    @contextlib.contextmanager
+    def reading(self, swap: dict[int, torch.Tensor]) -> Iterator[list[int]]:
+        """While open, the function reads ``swap[id(t)]`` where it read the tensor ``t`` from its
+        closure, its defaults or the globals it names (a kernel's float32 twin of a bfloat16
+        table, so that the table's gradient is summed in float32 and rounded once). Yields the
+        ids it swapped; a tensor it reaches otherwise (a module's parameters) is read as it is."""
+        target = getattr(self.fn, "__func__", self.fn)
+        cells = [c for c in (getattr(target, "__closure__", None) or ()) if _holds(c, swap)]
+        old_cells = [c.cell_contents for c in cells]
+        old_defaults = getattr(target, "__defaults__", None)
+        code, glob = getattr(target, "__code__", None), getattr(target, "__globals__", {})
+        names = [n for n in (code.co_names if code is not None else ()) if id(glob.get(n)) in swap]
+        old_globals = {n: glob[n] for n in names}
+        swapped = {id(t) for t in old_cells} | {id(t) for t in old_globals.values()}
+        try:
+            for c in cells:
+                c.cell_contents = swap[id(c.cell_contents)]
+            for n, t in old_globals.items():
+                glob[n] = swap[id(t)]
+            if old_defaults:
+                target.__defaults__ = tuple(swap.get(id(d), d) if isinstance(d, torch.Tensor) else d
+                                            for d in old_defaults)
+                swapped |= {id(d) for d in old_defaults if isinstance(d, torch.Tensor) and id(d) in swap}
+            yield sorted(swapped)
+        finally:
+            for c, old in zip(cells, old_cells):
+                c.cell_contents = old
+            glob.update(old_globals)
+            if old_defaults:
+                target.__defaults__ = old_defaults
 
     def _apply(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape,
                heads: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -96,8 +96,13 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     the cos/sin tables picked by indexing, so no position is read on the host (a compiled step
     keeps one graph, and each row of a padded batch gets its own positions). The rotation is the
     line of `RoPE.__call__`; only the table lookup differs (RoPE reads max(positions))."""
-    cos, sin = rope.cos_sin(bound, device=x.device, dtype=x.dtype)
-    cos, sin = cos[positions], sin[positions]  # (L, D) or (B, L, D)
+    if torch.compiler.is_compiling():  # no table (and no bound): the float64 angles of the positions
+        half = positions.to(torch.float64).unsqueeze(-1) * rope.inv_freq.to(positions.device)
+        angles = torch.cat((half, half), dim=-1)  # the table's rows for these positions, bit for bit
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    else:
+        cos, sin = rope.cos_sin(bound, device=x.device, dtype=x.dtype)
+        cos, sin = cos[positions], sin[positions]  # (L, D) or (B, L, D)
     if positions.dim() == 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
     return x * cos + rotate_half(x) * sin
@@ -468,8 +473,11 @@ class MultiHeadAttention(nn.Module):
             )
         if positions.device != device:
             raise ValueError(f"positions are on {positions.device} but the input is on {device}; move them with .to()")
-        if positions.numel() and int(positions.min()) < 0:
-            raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+        if positions.numel():
+            if torch.compiler.is_compiling():  # no host read in a graph: the check runs as an op
+                torch._assert_async(positions.min() >= 0, "positions must be >= 0")
+            elif int(positions.min()) < 0:
+                raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
         return positions.long()
 
     def _mask(self, mask, query: torch.Tensor, lk: int, *, causal: bool = True):
@@ -589,8 +597,9 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             self._check_cache(cache, query, key, value)
             at, lk, bound = cache._positions(lq), cache._key_length(lq), cache.max_len
-        if given is not None:  # any (Lq,) or (B, Lq) ints, looked up below their own bound
-            at, bound = given, (int(given.max()) + 1 if given.numel() else 1)
+        if given is not None:  # any (Lq,) or (B, Lq) ints, looked up below their own bound (compiled:
+            # no bound is read on the host, `_rotate_at` takes the angles of the positions themselves)
+            at, bound = given, (0 if torch.compiler.is_compiling() else int(given.max()) + 1 if given.numel() else 1)
         m = self._mask(mask, query, lk, causal=cache is None)
         tr = _trace.current()
         if tr is not None:

@@ -92,6 +92,7 @@ lengths, D head dim, Dv value head dim, S parts merged.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import functools
 import math
 import os
@@ -448,9 +449,10 @@ class Tiles:
                 ds = p.mul_(torch.bmm(g_out[:, rows], self.v[:, k0:k1].transpose(1, 2)).sub_(delta[:, rows]))
                 if back is not None:  # through the score mods: dS of their inputs, and their tensors'
                     ds, grads = back(ds)
-                    for i, g in enumerate(grads):
-                        if g is not None:
-                            dmods[i] = g if dmods[i] is None else dmods[i] + g
+                    for i, g in enumerate(grads):  # summed over tiles in the compute dtype: a
+                        if g is not None:               # bf16 table is rounded once, at the end
+                            g = g.to(self.cdt)
+                            dmods[i] = g if dmods[i] is None else dmods[i].add_(g)
                 dq[:, rows].add_(torch.bmm(ds, k[:, k0:k1]))
                 pdk[:, k0:k1].add_(torch.bmm(ds.transpose(1, 2), q[:, rows]))
                 for db in dbiases:
@@ -540,13 +542,22 @@ class _TiledAttention(torch.autograd.Function):
         # objects, not the saved copies)
         captured = _mod_tensors(ctx.mods)
         wanted = [i for i in range(len(mod_tensors)) if ctx.needs_input_grad[7 + ctx.n_biases + i]]
-        with torch.no_grad(), outside_autocast(q.device.type):
+        with torch.no_grad(), outside_autocast(q.device.type), contextlib.ExitStack() as reading:
             tiles = Tiles(q, k, v, ctx.rest, tuple(biases), ctx.mods, **ctx.options)
             g_out = tiles.group_rows(g_out.to(tiles.cdt))
             if g_lse is not None:
                 g_lse = tiles.group_lse(g_lse.to(tiles.cdt))
-            dq, dk, dv, dbiases, dmods = tiles.backward(
-                out, lse, g_out, g_lse, tuple(captured[i] for i in wanted))
+            # a low-precision tensor the mods read is read as its compute-dtype twin (the same
+            # values), so that its gradient is summed in the compute dtype and rounded once
+            inputs = [captured[i] for i in wanted]
+            twins = {id(t): t.detach().to(tiles.cdt).requires_grad_(True) for t in inputs
+                     if t.is_floating_point() and t.dtype != tiles.cdt}
+            if twins:
+                done = set()
+                for mod in ctx.mods:
+                    done.update(reading.enter_context(mod.reading(twins)))
+                inputs = [twins[id(t)] if id(t) in done else t for t in inputs]
+            dq, dk, dv, dbiases, dmods = tiles.backward(out, lse, g_out, g_lse, tuple(inputs))
             grads = [tiles.ungroup_rows(dq).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)]
             grads += [None if db is None else db.to(b.dtype) for b, db in zip(biases, dbiases)]
             mod_grads: list = [None] * len(mod_tensors)
