@@ -5,6 +5,7 @@ real model run, the float64 oracle of tests/oracle.py under its tolerance rule. 
 nothing is downloaded. Skipped only when the ``hf`` extra is not installed.
 """
 
+import copy
 import os
 
 import pytest
@@ -25,8 +26,27 @@ SENTENCES = [
     "The animal didn't cross the street because it was too tired.",
     "Heads look at different words.",
 ]
-# The issue's bounds: fp32 attention outputs and hidden states within 1e-5, embeddings 1e-6 cosine.
-ATOL = 1e-5
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor, want64: torch.Tensor, where=None) -> None:
+    """float32 ``got`` (ours) against float32 ``want`` (transformers' eager) of the same inputs,
+    held to a bound derived from eager's own float64 twin ``want64`` (same weights, same inputs):
+    each float32 computation may be at most twice eager's own error away from float64 (the oracle's
+    rule), so the two at most 3x apart, plus a floor of 4 float32 roundings of the result's size
+    where eager happens to be exact. No bound measured on one CPU: AVX2, AVX-512 and ATen's scalar
+    code round the products differently, and the bound follows. ``where``: a bool mask of the
+    entries compared (default all). Where the twin is not finite (eager's float64 rows of
+    left padding add finfo(float64).min to scores and turn NaN, which then spreads), the bound of
+    the tensor's finite entries holds: the same layer's float32 error at the same scale."""
+    err = (got.double() - want.double()).abs()
+    own = (want.double() - want64).abs()
+    if where is not None:
+        err, own, want64 = err[where], own[where], want64[where]
+    finite = torch.isfinite(want64)
+    assert finite.any(), "eager's float64 twin has no finite entry here to derive a bound from"
+    bound = 3 * own[finite].max().item() + 4 * EPS32 * want64[finite].abs().max().item()
+    assert err.max().item() <= bound, f"max error {err.max().item():.3g} > bound {bound:.3g} (eager's own {own.max().item():.3g})"
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +85,24 @@ def eager_outputs(eager, batch):
         return eager(**batch, output_attentions=True)
 
 
+@pytest.fixture(scope="module")
+def eager64(eager):
+    """eager's float64 twin: the same weights, every op in float64 (the reference of `agrees`)."""
+    return copy.deepcopy(eager).double()
+
+
+@pytest.fixture(scope="module")
+def eager64_outputs(eager64, batch):
+    with torch.no_grad():
+        return eager64(**batch, output_attentions=True)
+
+
 # ---------------------------------------------------------------------------- layer by layer
-def _attention_io(model, batch):
+def _attention_io(model, batch, inputs=None):
     """Per layer: (x, y) with x the attention's input (B, L, 384) and y = output.dense(context),
-    the attention output before the residual and LayerNorm, as transformers computes it."""
+    the attention output before the residual and LayerNorm, as transformers computes it.
+    ``inputs``: per layer, the x each attention is given instead of its own (cast to the model's
+    dtype): the float64 twin of a float32 layer's computation."""
     seen = {}
     hooks = []
     for i, layer in enumerate(model.encoder.layer):
@@ -76,6 +110,11 @@ def _attention_io(model, batch):
             context, x = args  # BertSelfOutput.forward(hidden_states, input_tensor)
             seen[i] = (x, mod.dense(context))
         hooks.append(layer.attention.output.register_forward_pre_hook(grab))
+        if inputs is not None:
+            def give(mod, args, kwargs, i=i):
+                x = inputs[i].to(next(mod.parameters()).dtype)
+                return ((x, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": x})
+            hooks.append(layer.attention.register_forward_pre_hook(give, with_kwargs=True))
     try:
         with torch.no_grad():
             model(**batch)
@@ -85,25 +124,26 @@ def _attention_io(model, batch):
     return [seen[i] for i in range(len(model.encoder.layer))]
 
 
-def test_from_hf_reproduces_every_bert_layer_on_a_padded_batch(eager, batch):
+def test_from_hf_reproduces_every_bert_layer_on_a_padded_batch(eager, eager64, batch):
     keep = batch["attention_mask"].bool()
     io = _attention_io(eager, batch)
+    io64 = _attention_io(eager64, batch, inputs=[x for x, _ in io])
     assert len(io) == 6
-    for i, (x, want) in enumerate(io):
+    for i, ((x, want), (_, want64)) in enumerate(zip(io, io64)):
         mha = MultiHeadAttention.from_hf(eager.encoder.layer[i].attention)
         assert (mha.num_heads, mha.head_dim, mha.training) == (12, 32, False)
         with torch.no_grad():
             got = mha(x, mask=masks.key_padding(keep))
-        err = (got - want).abs().max().item()
-        assert err <= ATOL, f"layer {i}: max error {err}"
+        agrees(got, want, want64)
 
 
-def test_state_dict_loader_equals_from_hf_with_and_without_prefix(eager, batch, model_path):
+def test_state_dict_loader_equals_from_hf_with_and_without_prefix(eager, eager64, batch, model_path):
     sd = safetensors_torch.load_file(os.path.join(model_path, "model.safetensors"))
     prefixed = {f"bert.{k}": v for k, v in sd.items()}
     keep = batch["attention_mask"].bool()
     io = _attention_io(eager, batch)
-    for i, (x, want) in enumerate(io):
+    io64 = _attention_io(eager64, batch, inputs=[x for x, _ in io])
+    for i, ((x, want), (_, want64)) in enumerate(zip(io, io64)):
         # the loader is a codec: (config, weights), built by from_config
         a = MultiHeadAttention.from_config(*from_bert_state_dict(sd, i, num_heads=12))
         b = MultiHeadAttention.from_config(*from_bert_state_dict(prefixed, i, num_heads=12))
@@ -112,8 +152,7 @@ def test_state_dict_loader_equals_from_hf_with_and_without_prefix(eager, batch, 
         for name, t in c.state_dict().items():
             assert torch.equal(a.state_dict()[name], t) and torch.equal(b.state_dict()[name], t), (i, name)
         with torch.no_grad():
-            err = (a(x, mask=masks.key_padding(keep)) - want).abs().max().item()
-        assert err <= ATOL, f"layer {i}: max error {err}"
+            agrees(a(x, mask=masks.key_padding(keep)), want, want64)
 
 
 def test_state_dict_loader_names_missing_keys():
@@ -202,8 +241,8 @@ def test_every_attention_op_of_the_model_meets_the_oracle_rule(ours, padded_batc
             assert verdict.ok, str(verdict)
 
 
-def test_whole_model_on_multihead_matches_eager(ours, eager, padded_batches):
-    """Real tokens: within ATOL of eager (the issue's absolute bound). Padding rows: finite. Their
+def test_whole_model_on_multihead_matches_eager(ours, eager, eager64, padded_batches):
+    """Real tokens: within the bound `agrees` derives from eager's float64 twin. Padding rows: finite. Their
     distance from float64 is not bounded here: it grows layer by layer for every float32
     implementation (eager's own is ~3e-5 against ~2e-6 on real tokens), so which implementation
     is nearer is luck (ours / eager from 0.6 to 2.5 over these batches on one AVX2 CPU; HF's own
@@ -215,8 +254,8 @@ def test_whole_model_on_multihead_matches_eager(ours, eager, padded_batches):
         with torch.no_grad():
             got = ours(**batch).last_hidden_state
             want = eager(**batch).last_hidden_state
-        real_err = (got - want).abs()[keep].max().item()
-        assert real_err <= ATOL, (j, real_err)
+            want64 = eager64(**batch).last_hidden_state
+        agrees(got, want, want64, where=keep)
         assert torch.isfinite(got).all()
 
 
@@ -234,7 +273,7 @@ def test_every_layer_runs_through_multihead(ours, batch, monkeypatch):
     assert calls == [torch.Size([2, 12, batch["input_ids"].shape[1], 32])] * 6
 
 
-def test_sentence_embeddings_match_eager(ours, batch, eager_outputs):
+def test_sentence_embeddings_match_eager(ours, batch, eager_outputs, eager64_outputs):
     keep = batch["attention_mask"].unsqueeze(-1).float()
 
     def embed(h):  # sentence-transformers' mean pooling over real tokens, then L2 normalisation
@@ -245,19 +284,20 @@ def test_sentence_embeddings_match_eager(ours, batch, eager_outputs):
         got = embed(ours(**batch).last_hidden_state)
     want = embed(eager_outputs.last_hidden_state)
     cos = (got.double() * want.double()).sum(-1)
-    assert ((1 - cos).abs() <= 1e-6).all(), cos
-    assert (got - want).abs().max().item() <= ATOL
+    assert ((1 - cos).abs() <= 1e-6).all(), cos  # unit vectors: 1e-6 is ~8 float32 roundings of 1
+    agrees(got, want, embed(eager64_outputs.last_hidden_state))
 
 
-def test_output_attentions_equal_eager(ours, batch, eager_outputs):
+def test_output_attentions_equal_eager(ours, batch, eager_outputs, eager64_outputs):
+    """Issue 21, defect 8: a fixed 1e-5 read 1.10e-5 under ATEN_CPU_CAPABILITY=default on an
+    AVX-512 machine; the bound is derived from eager's own float64 twin."""
     with torch.no_grad():
         got = ours(**batch, output_attentions=True).attentions
     want = eager_outputs.attentions
     assert len(got) == len(want) == 6
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w, w64) in enumerate(zip(got, want, eager64_outputs.attentions)):
         assert g.shape == w.shape == (2, 12, batch["input_ids"].shape[1], batch["input_ids"].shape[1])
-        err = (g - w).abs().max().item()
-        assert err <= ATOL, f"layer {i}: {err}"
+        agrees(g, w, w64)
     keep = batch["attention_mask"].bool()
     assert (got[0][1][..., ~keep[1]] == 0).all()  # padded keys get exactly 0
 
@@ -289,14 +329,19 @@ def test_attention_forward_matches_eager_on_float_bool_and_biased_masks():
     biased = additive + torch.where(keep, torch.randn(B, 1, L, L, generator=g), torch.zeros(()))
     want_plain, w_plain = _eager_forward(layer, q, k, v, additive, 0.3)
     want_bias, w_bias = _eager_forward(layer, q, k, v, biased, 0.3)
-    for mask, want, want_w in ((additive, want_plain, w_plain), (keep, want_plain, w_plain),
-                               (additive.masked_fill(~keep, float("-inf")), want_plain, w_plain),
-                               (biased, want_bias, w_bias)):
+    d = [t.double() for t in (q, k, v)]
+    plain64 = _eager_forward(layer, *d, additive.double().masked_fill(~keep, float("-inf")), 0.3)
+    bias64 = _eager_forward(layer, *d, biased.double().masked_fill(~keep, float("-inf")), 0.3)
+    for mask, want, want_w, (o64, w64) in ((additive, want_plain, w_plain, plain64), (keep, want_plain, w_plain, plain64),
+                                           (additive.masked_fill(~keep, float("-inf")), want_plain, w_plain, plain64),
+                                           (biased, want_bias, w_bias, bias64)):
         out, w = mh_tf.attention_forward(layer, q, k, v, mask, scaling=0.3, output_attentions=True)
         assert out.shape == (B, L, H, D)
-        assert (out - want).abs().max().item() <= ATOL and (w - want_w).abs().max().item() <= ATOL
+        agrees(out, want, o64)
+        agrees(w, want_w, w64)
         out2, none = mh_tf.attention_forward(layer, q, k, v, mask, scaling=0.3)
-        assert none is None and (out2 - want).abs().max().item() <= ATOL
+        assert none is None
+        agrees(out2, want, o64)
 
 
 def test_attention_forward_mask_none_uses_is_causal_top_left():
@@ -369,17 +414,21 @@ def test_llama_model_on_multihead_matches_eager_with_and_without_padding():
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, :3] = 0  # left padding: the causal rows of the padding queries see no key
     keep = mask.bool()
+    eager64 = copy.deepcopy(eager).double()
     with torch.no_grad():
         for kwargs in ({}, {"attention_mask": mask}):
             want = eager(input_ids=ids, **kwargs).last_hidden_state
+            want64 = eager64(input_ids=ids, **kwargs).last_hidden_state
             got = ours(input_ids=ids, **kwargs).last_hidden_state
             real = keep if kwargs else torch.ones_like(keep)
-            assert (got - want).abs()[real].max().item() <= ATOL, kwargs
+            agrees(got, want, want64, where=real)
         w_want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        w_want64 = eager64(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         w_got = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    for g, w in zip(w_got, w_want):
-        assert (g - w)[0].abs().max().item() <= ATOL
-        assert (g - w)[1][:, 3:].abs().max().item() <= ATOL  # real query rows of the padded sequence
+    real_rows = torch.ones(2, 1, 8, 1, dtype=torch.bool)
+    real_rows[1, :, :3] = False  # real query rows of the padded sequence
+    for g, w, w64 in zip(w_got, w_want, w_want64):
+        agrees(g, w, w64, where=real_rows.expand_as(g))
         # padding queries 0-2 see no key (left padding + causal): 0 here; eager's rows are uniform
         # over all 8 keys, since every score plus finfo.min rounds to the same number
         assert (g[1, :, :3] == 0).all() and torch.allclose(w[1, :, :3], torch.full((4, 3, 8), 1 / 8))
