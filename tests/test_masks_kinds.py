@@ -465,3 +465,49 @@ def test_a_bf16_bias_tables_gradient_is_summed_in_float32_and_rounded_once(where
     assert (got - exact).abs().max() <= bound
     assert table.grad is None and table.dtype == torch.bfloat16  # the twin's gradient came back as bf16
     _REL_TABLE = torch.zeros(1)
+
+
+# Issue 21, defect 9: FlexAttention evaluates a mod element by element (vmap over b, h, q_idx,
+# kv_idx), so peers write ``bias[b][q_idx]``; multihead's broadcasting index tensors raised torch's
+# raw shape error on it. Such a function is now evaluated per element, as flex does.
+def test_mods_written_per_element_are_evaluated_as_flex_evaluates_them():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, L, D = 2, 2, 37, 8
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(B, L, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0] * 20 + [1] * 17, [0] * 5 + [1] * 32])
+
+    def per_element(score, b, h, q_idx, kv_idx):
+        return score + bias[b][q_idx]
+
+    def broadcast(score, b, h, q_idx, kv_idx):
+        return score + bias[b, q_idx]
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return ids[b][q_idx] == ids[b][kv_idx]
+
+    want = multihead.attention(q, k, v, masks.score_mod(broadcast) & masks.keep(
+        ids[:, None, :, None] == ids[:, None, None, :]), backend="reference")
+    wb, = torch.autograd.grad(want.sum(), bias, retain_graph=True)
+    for backend in ("reference", "chunked"):
+        m = masks.score_mod(per_element) & masks.mask_mod(same_doc)
+        got = multihead.attention(q, k, v, m, backend=backend)
+        assert (got - want).abs().max() <= 1e-12, backend
+        gb, = torch.autograd.grad(got.sum(), bias)
+        assert (gb - wb).abs().max() <= 1e-12, backend
+    # the peer's own definition: torch's FlexAttention (unfused on the CPU) with the same mods
+    from torch.nn.attention.flex_attention import create_block_mask
+    bm = create_block_mask(same_doc, B, None, L, L, device="cpu")
+    peer = flex_attention(q, k, v, score_mod=per_element, block_mask=bm)
+    assert (want - peer).abs().max() <= 1e-12
+
+
+def test_mods_that_branch_on_index_values_are_refused_by_name():
+    def branches(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx if bool(q_idx >= 0) else q_idx < 0
+
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(TypeError, match=r"mask_mod branches .*without Python if/for"):
+        multihead.attention(q, q, q, masks.mask_mod(branches))

@@ -1314,6 +1314,50 @@ def _index_args(
     return b, h, q, kv
 
 
+def _vmapped(fn: Callable[..., torch.Tensor], with_score: bool) -> Callable[..., torch.Tensor]:
+    """``fn`` evaluated element by element, as FlexAttention evaluates mods: vmapped over kv_idx,
+    q_idx, h and b in turn (innermost first), each index a 0-d tensor inside, and the score with
+    them; called with 1-D index tensors (and the (B, H, bq, bk) score), it returns (B, H, bq, bk)."""
+    levels = [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]
+    f = fn
+    for dims in levels:
+        f = torch.vmap(f, in_dims=((0,) + dims) if with_score else dims, out_dims=0)
+    return f
+
+
+def _call_indexed(part: Any, s: Optional[torch.Tensor], q0: int, q1: int, k0: int, k1: int, batch: int,
+                  heads: Union[int, Sequence[int]], device: torch.device) -> torch.Tensor:
+    """``part.fn`` on one tile: with broadcasting index tensors (b (B,1,1,1), h (1,H,1,1),
+    q_idx (1,1,bq,1), kv_idx (1,1,1,bk)), or, for a function written per element (e.g.
+    ``bias[b][q_idx]``, which broadcasting indices cannot evaluate), element by element through
+    `_vmapped`, as FlexAttention does. The first call decides which (``part._per_element``):
+    broadcasting when it runs (what it returns is then judged by the caller), per element when
+    broadcasting raises and the element-wise evaluation runs."""
+    b, h, q, kv = _index_args(q0, q1, k0, k1, batch, heads, device)
+    head = () if s is None else (s,)
+    if part._per_element is None:
+        try:
+            out = part.fn(*head, b, h, q, kv)
+        except (RuntimeError, IndexError, TypeError, ValueError) as first:
+            try:
+                out = _vmapped(part.fn, s is not None)(*head, b.flatten(), h.flatten(), q.flatten(), kv.flatten())
+            except Exception as e:  # noqa: BLE001 - any failure of the user's function under vmap is reported by name
+                raise TypeError(
+                    f"{part.kind} {_fn_name(part.fn)} could not be evaluated on a tile: with broadcasting index "
+                    f"tensors it raised {type(first).__name__}: {str(first).splitlines()[0][:160]}; element by "
+                    f"element (torch.vmap, as FlexAttention) it raised {type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:160]}. Write it with tensor operations of its index arguments, "
+                    "without Python if/for on their values (e.g. torch.where(q_idx >= kv_idx, ...))"
+                ) from None
+            part._per_element = True
+            return out
+        part._per_element = False  # it ran: its result's shape and dtype are judged by the caller
+        return out  # type: ignore[no-any-return]
+    if part._per_element:
+        return _vmapped(part.fn, s is not None)(*head, b.flatten(), h.flatten(), q.flatten(), kv.flatten())
+    return part.fn(*head, b, h, q, kv)  # type: ignore[no-any-return]
+
+
 def _fn_name(fn: Callable[..., object]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
@@ -1335,13 +1379,15 @@ class MaskMod(Mask):
         if not callable(fn):
             raise TypeError(f"mask_mod takes a function fn(b, h, q_idx, kv_idx) -> bool tensor, got {type(fn).__name__}")
         self.fn = fn
+        #: whether fn is evaluated element by element (see `_call_indexed`; None: not yet known)
+        self._per_element: Optional[bool] = None
         #: (shape, device) -> the plan and what it was made from: each tensor the function read
         #: with a copy of its values then
         self._plans: dict[tuple[tuple[int, ...], str], tuple[BlockPlan, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def _evaluate(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> torch.Tensor:
         batch, heads = shape[0], shape[1]
-        out = self.fn(*_index_args(q0, q1, k0, k1, batch, heads, device))
+        out = _call_indexed(self, None, q0, q1, k0, k1, batch, heads, device)
         want = (batch, heads, q1 - q0, k1 - k0)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a {out.dtype} tensor"
@@ -1483,6 +1529,8 @@ class ScoreMod(_BuildsNothing):
             if bad:
                 raise TypeError(f"score_mod tensors= must be torch.Tensors, got {', '.join(bad)}")
         self.fn = fn
+        #: whether fn is evaluated element by element (see `_call_indexed`; None: not yet known)
+        self._per_element: Optional[bool] = None
         self._tensors = tuple(tensors) if tensors is not None else tuple(
             t for t in _captured(fn) if t.is_floating_point() or t.is_complex()
         )
@@ -1523,7 +1571,7 @@ class ScoreMod(_BuildsNothing):
 
     def _apply(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shape: Shape,
                heads: Optional[Sequence[int]] = None) -> torch.Tensor:
-        out = self.fn(s, *_index_args(q0, q1, k0, k1, s.shape[0], s.shape[1] if heads is None else heads, s.device))
+        out = _call_indexed(self, s, q0, q1, k0, k1, s.shape[0], s.shape[1] if heads is None else heads, s.device)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"score_mod {_fn_name(self.fn)} must return a tensor of the score's shape, got {type(out).__name__}; "
