@@ -347,3 +347,245 @@ def mutant(name: str, variant: str) -> nn.Module:
 
 def mutant_cases() -> list[tuple[str, str]]:
     return [(name, variant) for name, (_, variants, _, _, _) in MUTANTS.items() for variant in variants]
+
+
+# ---------------------------------------------------------------------------- the seeds, written afresh
+class Seed000(nn.Module):
+    """Seed 000: the step-by-step causal MHA (no biases on the projections, a triu buffer of
+    blocked positions filled with -inf, softmax of scores / sqrt(head_dim), out_proj)."""
+
+    def __init__(self, d_in=D_MODEL, d_out=D_MODEL, context=CONTEXT, num_heads=HEADS):
+        super().__init__()
+        self.num_heads, self.head_dim, self.d_out = num_heads, d_out // num_heads, d_out
+        self.W_query = nn.Linear(d_in, d_out, bias=False)
+        self.W_key = nn.Linear(d_in, d_out, bias=False)
+        self.W_value = nn.Linear(d_in, d_out, bias=False)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.register_buffer("mask", torch.triu(torch.ones(context, context), diagonal=1))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        keys = self.W_key(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        queries = self.W_query(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        values = self.W_value(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        scores = queries @ keys.transpose(2, 3)
+        scores = scores.masked_fill(self.mask.bool()[:n, :n], -torch.inf)
+        weights = torch.softmax(scores / self.head_dim ** 0.5, dim=-1)
+        context = (weights @ values).transpose(1, 2).reshape(b, n, self.d_out)
+        return self.out_proj(context)
+
+
+class Seed001(nn.Module):
+    """Seed 001: W_q, W_k, W_v, W_o with biases, forward(Q, K, V, mask) with mask == 0 -> -1e9,
+    attention dropout, heads split by view(B, -1, H, d_k).transpose(1, 2)."""
+
+    def __init__(self, d_model=D_MODEL, n_heads=HEADS, dropout=0.1):
+        super().__init__()
+        self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
+        self.W_q, self.W_k, self.W_v = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.W_o = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, Q, K, V, mask=None):
+        batch = Q.size(0)
+        Q = self.W_q(Q).view(batch, -1, self.n_heads, self.d_k).transpose(1, 2)
+        K = self.W_k(K).view(batch, -1, self.n_heads, self.d_k).transpose(1, 2)
+        V = self.W_v(V).view(batch, -1, self.n_heads, self.d_k).transpose(1, 2)
+        scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        attn = self.dropout(torch.softmax(scores, dim=-1))
+        out = torch.matmul(attn, V).transpose(1, 2).contiguous().view(batch, -1, self.d_model)
+        return self.W_o(out)
+
+
+class Seed002(nn.Module):
+    """Seed 002: wq/wk/wv/wo without biases, attention and residual dropout, an optional causal
+    buffer of max_seq_len added (-inf above the diagonal); forward(q, k, v) takes the sequence
+    length from q for all three (its cross-attention defect, like seed 003's)."""
+
+    def __init__(self, dim=D_MODEL, n_heads=HEADS, dropout=0.1, max_seq_len=CONTEXT, is_causal=False):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.is_causal = is_causal
+        if is_causal:
+            self.register_buffer("mask", torch.triu(torch.full((1, 1, max_seq_len, max_seq_len), float("-inf")), diagonal=1))
+
+    def forward(self, q, k, v):
+        bsz, seqlen, _ = q.shape
+        xq, xk, xv = self.wq(q), self.wk(k), self.wv(v)
+        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        xk = xk.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        xv = xv.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        scores = torch.matmul(xq, xk.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        if self.is_causal:
+            scores = scores + self.mask[:, :, :seqlen, :seqlen]
+        scores = self.attn_dropout(F.softmax(scores.float(), dim=-1))
+        out = torch.matmul(scores, xv).transpose(1, 2).contiguous().view(bsz, seqlen, -1)
+        return self.resid_dropout(self.wo(out))
+
+
+class Seed003(nn.Module):
+    """Seed 003: q_proj/k_proj/v_proj/out_proj, scale = head_dim ** -0.5, heads by
+    view + permute(0, 2, 1, 3), masked_fill(mask == 0, -inf); K and V are reshaped with the
+    query's length (the known cross-attention defect)."""
+
+    def __init__(self, embed_dim=D_MODEL, num_heads=HEADS, dropout=0.0):
+        super().__init__()
+        assert embed_dim % num_heads == 0
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.q_proj, self.k_proj = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+        self.v_proj, self.out_proj = nn.Linear(embed_dim, embed_dim), nn.Linear(embed_dim, embed_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, query, key, value, mask=None):
+        batch_size, seq_len, _ = query.size()
+        Q = self.q_proj(query).view(batch_size, seq_len, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+        K = self.k_proj(key).view(batch_size, seq_len, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+        V = self.v_proj(value).view(batch_size, seq_len, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+        scores = torch.matmul(Q, K.transpose(-2, -1)) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, float("-inf"))
+        probs = self.dropout(F.softmax(scores, dim=-1))
+        out = torch.matmul(probs, V).permute(0, 2, 1, 3).contiguous().view(batch_size, seq_len, self.embed_dim)
+        return self.out_proj(out)
+
+
+# ---------------------------------------------------------------------------- correct, in other styles
+class Einsum(nn.Module):
+    """einsum throughout, heads last until the scores; an additive float mask argument."""
+
+    def __init__(self, d=D_MODEL, h=HEADS):
+        super().__init__()
+        self.h = h
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, context=None, mask=None):
+        context = x if context is None else context
+        b, n, d = x.shape
+        q = self.to_q(x).reshape(b, n, self.h, -1)
+        k = self.to_k(context).reshape(b, context.shape[1], self.h, -1)
+        v = self.to_v(context).reshape(b, context.shape[1], self.h, -1)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+        if mask is not None:
+            s = s + mask
+        w = s.softmax(dim=-1)
+        return self.to_out(torch.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, n, d))
+
+
+class PerHeadLoop(nn.Module):
+    """One Linear per role, then a Python loop over the heads' slices, concatenated."""
+
+    def __init__(self, d=D_MODEL, n_heads=HEADS):
+        super().__init__()
+        self.n_heads = n_heads
+        self.query, self.key, self.value, self.proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, y=None):
+        y = x if y is None else y
+        q, k, v = self.query(x), self.key(y), self.value(y)
+        dh = q.shape[-1] // self.n_heads
+        heads = []
+        for i in range(self.n_heads):
+            sl = slice(i * dh, (i + 1) * dh)
+            w = torch.softmax(q[..., sl] @ k[..., sl].transpose(1, 2) / math.sqrt(dh), dim=-1)
+            heads.append(w @ v[..., sl])
+        return self.proj(torch.cat(heads, dim=-1))
+
+
+class TimmStyle(nn.Module):
+    """One fused qkv Linear reshaped to (B, L, 3, H, D) and permuted to (3, B, H, L, D)."""
+
+    def __init__(self, dim=D_MODEL, num_heads=HEADS):
+        super().__init__()
+        self.num_heads, self.scale = num_heads, (dim // num_heads) ** -0.5
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
+
+
+class NanoGPT(nn.Module):
+    """Causal self-attention through F.scaled_dot_product_attention(is_causal=True)."""
+
+    def __init__(self, n_embd=D_MODEL, n_head=HEADS):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class ScaleOnQuery(nn.Module):
+    """Seq-first, heads folded head-major as torch.cat(split) does: (H*B, L, D); the scale on q;
+    masked_fill(mask == 0, -1e9) with a (Lq, Lk) mask."""
+
+    def __init__(self, d=D_MODEL, heads=HEADS):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, query, key, value, mask=None):
+        dh = query.shape[-1] // self.heads
+        fold = lambda t: torch.cat(t.split(dh, dim=-1), dim=1).transpose(0, 1)  # noqa: E731  (H*B, L, D)
+        q, k, v = fold(self.wq(query) * dh ** -0.5), fold(self.wk(key)), fold(self.wv(value))
+        s = torch.bmm(q, k.transpose(1, 2))
+        if mask is not None:
+            s = s.masked_fill(mask == 0, -1e9)
+        o = torch.bmm(s.softmax(-1), v).transpose(0, 1)  # (L, H*B, D)
+        o = torch.cat(o.split(query.shape[1], dim=1), dim=-1)
+        return self.wo(o)
+
+
+def bart_attention():
+    """Hugging Face's BartAttention from a tiny random config (eager attention)."""
+    from transformers import BartConfig
+    from transformers.models.bart.modeling_bart import BartAttention
+
+    config = BartConfig(d_model=D_MODEL, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS)
+    config._attn_implementation = "eager"
+    return BartAttention(D_MODEL, HEADS, config=config)
+
+
+def _torch_mha(batch_first):
+    return lambda: nn.MultiheadAttention(D_MODEL, HEADS, batch_first=batch_first)
+
+
+def _multihead():
+    import multihead
+
+    return multihead.MultiHeadAttention(D_MODEL, HEADS, backend="reference")
+
+
+#: name -> (builder, the conventions the diagnosis must name)
+CORRECT = {
+    "textbook bf-separate": (lambda: Separate(), ("row_nan",)),
+    "textbook sf-fused causal": (lambda: Fused(fused=True, batch_first=False, causal=True), ("row_nan",)),
+    "einsum": (Einsum, ("mask_additive", "row_nan")),
+    "per-head loop": (PerHeadLoop, ()),
+    "timm fused qkv": (TimmStyle, ()),
+    "nn.MultiheadAttention": (_torch_mha(False), ("mask_block", "row_nan")),
+    "nn.MultiheadAttention batch_first": (_torch_mha(True), ("mask_block", "row_nan")),
+    "nanoGPT sdpa is_causal": (NanoGPT, ()),
+    "Hugging Face BartAttention": (bart_attention, ("mask_additive", "row_nan")),
+    "scale on q, (h b) fold, -1e9": (ScaleOnQuery, ("row_uniform",)),
+    "multihead.MultiHeadAttention": (_multihead, ()),
+    "seed 000": (Seed000, ()),
+    "seed 001": (Seed001, ("row_uniform",)),
+    "seed 002 causal": (lambda: Seed002(is_causal=True), ("causal_self",)),
+}

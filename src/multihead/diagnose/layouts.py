@@ -36,7 +36,7 @@ _MERGEABLE = {("b", "h"), ("h", "b"), ("b", "t"), ("t", "b"), ("b", "q"), ("q", 
 
 def forms(axes: Sequence[str], sizes: Sequence[int]) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], list[tuple[str, ...]]]]:
     """Every allowed layout of ``axes``: (permutation, the user's shape, the axis groups)."""
-    return iter(_forms(tuple(axes), tuple(int(s) for s in sizes)))
+    return iter([f[:3] for f in _forms(tuple(axes), tuple(int(s) for s in sizes))])
 
 
 @functools.lru_cache(maxsize=256)
@@ -51,7 +51,7 @@ def _forms(axes: tuple[str, ...], sizes: tuple[int, ...]) -> list:
                 groups_options.append(g)
         for groups in groups_options:
             shape = tuple(math.prod(size[a] for a in g) for g in groups)
-            out.append((perm, shape, groups))
+            out.append((perm, shape, groups, _squeezed(shape)))
     return out
 
 
@@ -93,8 +93,8 @@ def find_form(got: torch.Tensor, ref: torch.Tensor, axes: Sequence[str], *, tol:
     for label, r, names in candidates:
         if got.numel() != r.numel():
             continue
-        for perm, shape, groups in forms(names, tuple(r.shape)):
-            if _squeezed(shape) != target:
+        for perm, shape, groups, squeezed in _forms(names, tuple(r.shape)):
+            if squeezed != target:
                 continue
             full = tuple(r.shape[names.index(a)] for a in perm)
             canon = got.reshape(full).permute([perm.index(a) for a in names])

@@ -279,11 +279,16 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
     stage = next((s for s in STAGES if s in ref.tensors and s not in right), "Y")
     path = None if out_index is None else _ancestors(rec, out_index)
     failed = rec.failed
+    if failed is not None:  # what the failing op was computing: the stage its inputs feed
+        fed = {s for n in range(len(failed.inputs)) for s, _ in _stage_of(labels, failed.source(n))}
+        consumers = [s for s in STAGES if s in ref.tensors and set(_INPUTS.get(s, ())) & fed and s not in matched]
+        if consumers:
+            stage = consumers[0]
     op = failed if failed is not None else _departure(rec, labels, stage, path, roles_input)
     where = op.where if op is not None else None
     role = stage[2:] if ":" in stage else ""
     base = dict(line=where.line if where else "?", code=where.code if where else "", func=op.func if op else "",
-                role=role, probe=probe)
+                role=role, probe=probe, kinds=ref.kinds)
     if failed is not None:
         base["error"] = f"{type(failed.error).__name__}: {str(failed.error).splitlines()[0] if str(failed.error) else ''}"
 
@@ -331,6 +336,8 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
                 for s, form in _stage_of(labels, mm.source(n)):
                     g = _groups(form)
                     if s.startswith("H:") and s not in moved and len(g) >= 2 and g[-1] == "d" and "t" not in g[-2]:
+                        where = rec.ops[mm.source(n)].where  # type: ignore[index]
+                        base.update(line=where.line if where else "?", code=where.code if where else "")
                         return finding(stage, "no_transpose", step=_steps.MOVE_HEADS_FORWARD, role=s[2:],
                                        form=form)
         return finding(stage, "scores_other")
@@ -340,14 +347,21 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
     s_ref, s_star = ref.tensors["S"], ref.tensors["S*"]
     vis = torch.ones_like(s_ref, dtype=torch.bool) if ref.keep is None else ref.keep.expand_as(s_ref)
     if stage in ("S*", "M", "W") and xs is not None and sm is not None:
-        where = sm.where
-        base.update(line=where.line if where else "?", code=where.code if where else "", func=sm.func)
+        made = rec.ops[sm.source(0)]  # type: ignore[index]  (xs is not None: the input is an op's)
+        where = made.where
+        base.update(line=where.line if where else "?", code=where.code if where else "", func=made.func)
         # a scale other than 1/sqrt(D): the softmax's input is c * QK^T on the visible scores
         num = float((xs[vis] * s_ref[vis]).sum())
         den = float((s_ref[vis] ** 2).sum()) or 1.0
         c = num / den
         if close(xs[vis], c * s_ref[vis], tolerance(s_ref, dtype) * 4) and not math.isclose(c, ref.scale, rel_tol=1e-3):
             guess = _scale_guess(c, d, ref)
+            up = sorted(_ancestors(rec, made.index))
+            raw = [i for i in up if any(st == "S" for st, _ in labels.get(i, []))]
+            after = [i for i in up if raw and i > raw[-1]]
+            scaler = rec.ops[after[0]] if after else made
+            where = scaler.where
+            base.update(line=where.line if where else "?", code=where.code if where else "", func=scaler.func)
             return Finding("S*", _steps.SCALE, "", "scale_wrong", {**base, "factor": c, "want": ref.scale, "guess": guess,
                                                                     "D": d}, where, probe, matched=len(matched))
         if ref.keep is not None and not bool(ref.keep.all()):
@@ -372,6 +386,8 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
             return Finding("M", _steps.MASK, "", "mask_pattern", {**base, "extra": len(extra)}, where, probe, diagram,
                            len(matched))
     if stage == "W" and sm is not None:
+        where = sm.where
+        base.update(line=where.line if where else "?", code=where.code if where else "", func=sm.func)
         dim = sm.kwargs.get("dim")
         if dim is None:
             ints = [a for a in sm.args if isinstance(a, int) and not isinstance(a, bool)]
@@ -413,9 +429,14 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
         return finding("C", "merge_other")
     if stage == "Y":
         uses = [o for o in rec.ops if weights_of.get("o", "?") in o.inputs]
+        last = rec.ops[out_index] if out_index is not None else None
         if weights_of.get("o") and not uses:
+            where = last.where if last is not None else None
+            base.update(line=where.line if where else "?", code=where.code if where else "")
             return finding("Y", "out_unused", weight=weights_of["o"].replace("param ", ""))
         if len(uses) > 1 or any(o.func in ("__getitem__", "narrow", "split", "chunk") for o in uses):
+            where = uses[0].where
+            base.update(line=where.line if where else "?", code=where.code if where else "")
             return finding("Y", "out_per_head")
         return finding("Y", "out_other")
     if stage == "O":

@@ -57,6 +57,8 @@ class Reference:
     num_heads: int
     keep: Optional[torch.Tensor]
     rows: torch.Tensor
+    #: the mask kinds that applied (:data:`multihead.steps.MASK_KINDS` keys): causal, keep
+    kinds: tuple[str, ...] = ()
 
 
 def _module(a: Anatomy, num_heads: int, causal: bool) -> tuple[MultiHeadAttention, bool]:
@@ -105,4 +107,5 @@ def reference_steps(a: Anatomy, num_heads: int, query: torch.Tensor, key: Option
     if keep is not None:
         full = full & keep
     applied = full if (causal or keep is not None) else None
-    return Reference(tensors, m._scale, num_heads, applied, full.any(-1))
+    kinds = (("causal",) if causal else ()) + (("keep",) if keep is not None else ())
+    return Reference(tensors, m._scale, num_heads, applied, full.any(-1), kinds)

@@ -40,20 +40,11 @@ def finding_text(d: "Diagnosis", lang: str) -> str:
     return say(f.rule, lang, **_finding_params(f.params, lang))
 
 
-def _head(d: "Diagnosis", lang: str) -> str:
-    if d.finding is None:
-        return f"{d.module}: {say('matches', lang)}"
-    f = d.finding
-    role = f" {f.role}" if f.role else ""
-    return f"{d.module}: {say('bug', lang)}: {f.step.title(lang)}{role}" if not callable(f.step.title) else \
-        f"{d.module}: {say('bug', lang)}: {f.step.id}{role}"
-
-
 def _step_title(d: "Diagnosis", lang: str) -> str:
     f = d.finding
     assert f is not None
     title = f.step.title
-    text = title({}, lang) if callable(title) else title[0 if lang == "en" else 1]
+    text = title({"kinds": f.params.get("kinds") or ("keep",)}, lang) if callable(title) else title[0 if lang == "en" else 1]
     return text.replace("{role}", f.role) if "{role}" in text else (f"{text} {f.role}" if f.role else text)
 
 

@@ -131,7 +131,9 @@ class _Outcome:
         self.probes: list[str] = []
 
 
-def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype, device) -> _Outcome:
+def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype, device, explain: bool = True) -> _Outcome:
+    """Run every probe for one reading of the module; on the first probe that differs, locate
+    the first wrong step (unless ``explain`` is False: then only whether all match is wanted)."""
     result = _Outcome()
     probes = make_probes(int(a.wq.shape[1]), int(a.wk.shape[1]), dtype, device, cross=a.call.cross,
                          mask=a.call.mask is not None, causal=causal)
@@ -161,6 +163,12 @@ def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype,
                 break
             attempts.append((rec, y, out_index, error, enc))
         else:
+            result.depth = (index, -1, -1)
+            if not explain:
+                result.finding = Finding("", _steps.OUTPUT_PROJECTION, "", "generic", {}, None, probe.describe())
+                return result
+            ran = [t for t in attempts if t[3] is None] or attempts[:1]
+            attempts = ran
             best: Optional[tuple] = None
             lk = probe.key.shape[1] if probe.key is not None else probe.query.shape[1]
             for rec, y, out_index, error, enc in attempts:
@@ -283,7 +291,7 @@ def diagnose(module: nn.Module, x: Optional[torch.Tensor] = None, *, num_heads: 
         for heads in a.head_counts():
             for bf in layouts:
                 for causal in ((True, False) if masks_itself else (False, True)):
-                    outcome = _try(module, a, heads, bf, causal, dtype, device)
+                    outcome = _try(module, a, heads, bf, causal, dtype, device, explain=causal == masks_itself)
                     if outcome.finding is None:
                         conventions = list(outcome.conventions)
                         if causal and a.call.cross:
