@@ -227,7 +227,7 @@ def _call(module: nn.Module, kwargs: dict[str, Any]) -> Call:
         second = [p for p in rest if p.default is p.empty and p.name not in (mask,)]
         if second and second[0].name not in OPTIONAL_OK:
             key = second[0].name
-    known = {query, key, value, mask, *OPTIONAL_OK}
+    known = {query, key, value, mask}
     needed = [p.name for p in rest if p.default is p.empty and p.name not in known]
     if needed:
         what = ", ".join(repr(n) for n in needed)

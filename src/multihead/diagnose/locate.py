@@ -33,7 +33,7 @@ import torch
 
 from .. import steps as _steps
 from .layouts import close, find_form
-from .record import Op, Recorder, Where
+from .record import Op, Recorder, Where, where_raised
 from .reference import STAGE_STEPS, STAGES, Reference
 
 __all__ = ["Finding", "locate", "label_ops", "tolerance", "AXES"]
@@ -77,10 +77,11 @@ class Finding:
 def tolerance(ref: torch.Tensor, dtype: torch.dtype) -> float:
     """How far a tensor of a correct ``dtype`` forward may be from the float64 reference ``ref``
     and still count as the same step: 64 units of ``dtype``'s eps of the reference's size
-    (wrong steps differ by the size of the values themselves)."""
+    (wrong steps differ by the size of the values themselves); 4 units for float16/bfloat16."""
     finite = ref[torch.isfinite(ref)]
     size = float(finite.abs().max()) if finite.numel() else 0.0
-    return 64 * torch.finfo(dtype).eps * (1.0 + size)
+    eps = torch.finfo(dtype).eps
+    return (64 if eps < 1e-4 else 4) * eps * (1.0 + size)  # half types: a few of their (large) units
 
 
 def _masked_compare(ref: Reference, scaled: bool, dtype: torch.dtype):
@@ -267,7 +268,8 @@ def _heads_diagram(prov: list[tuple[int, int]], heads: int, tokens: int) -> list
 
 
 def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch.dtype, probe: str,
-           roles_input: dict[str, str], weights_of: dict[str, str], lk: int) -> Finding:
+           roles_input: dict[str, str], weights_of: dict[str, str], lk: int,
+           error: Optional[BaseException] = None) -> Finding:
     """The :class:`Finding` for one probe whose output differs from the reference's.
 
     ``out_index``: the op that made the output (None if the forward raised); ``roles_input``:
@@ -289,8 +291,12 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
     role = stage[2:] if ":" in stage else ""
     base = dict(line=where.line if where else "?", code=where.code if where else "", func=op.func if op else "",
                 role=role, probe=probe, kinds=ref.kinds)
-    if failed is not None:
-        base["error"] = f"{type(failed.error).__name__}: {str(failed.error).splitlines()[0] if str(failed.error) else ''}"
+    raised = failed.error if failed is not None else error
+    if raised is not None:
+        base["error"] = f"{type(raised).__name__}: {str(raised).splitlines()[0] if str(raised) else ''}"
+        if failed is None:
+            where = where_raised(raised)
+            base.update(line=where.line if where else "?", code=where.code if where else "")
 
     def finding(st: str, rule: str, diagram=(), step=None, **params) -> Finding:
         return Finding(st, step or STAGE_STEPS.get(st, _steps.OUTPUT_PROJECTION), params.get("role", base["role"]),
@@ -354,7 +360,7 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
         num = float((xs[vis] * s_ref[vis]).sum())
         den = float((s_ref[vis] ** 2).sum()) or 1.0
         c = num / den
-        if close(xs[vis], c * s_ref[vis], tolerance(s_ref, dtype) * 4) and not math.isclose(c, ref.scale, rel_tol=1e-3):
+        if close(xs[vis], c * s_ref[vis], tolerance(s_ref, dtype) * 4) and not math.isclose(c, ref.scale, rel_tol=max(1e-3, 8 * torch.finfo(dtype).eps)):
             guess = _scale_guess(c, d, ref)
             up = sorted(_ancestors(rec, made.index))
             raw = [i for i in up if any(st == "S" for st, _ in labels.get(i, []))]

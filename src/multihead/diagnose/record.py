@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Op", "Recorder", "Where"]
+__all__ = ["Op", "Recorder", "Where", "where_raised"]
 
 _SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: methods that read a tensor's metadata: not ops of the computation
@@ -87,6 +87,19 @@ def _where() -> Optional[Where]:
             return Where(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, code)
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def where_raised(error: BaseException) -> Optional[Where]:
+    """The innermost frame of ``error``'s traceback in the user's code (outside torch and multihead)."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith(_SKIP):
+            code = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+            found = Where(tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name, code)
+        tb = tb.tb_next
+    return found
 
 
 def _flat(obj: Any) -> list[Any]:

@@ -95,12 +95,13 @@ def _weights_of(a: Anatomy) -> dict[str, str]:
     return out
 
 
-def _output_ok(y: Optional[torch.Tensor], ref: Reference, dtype: torch.dtype) -> bool:
+def _output_ok(y: Optional[torch.Tensor], ref: Reference, bound: float) -> bool:
+    """Whether the output is the reference's within the oracle's ``bound``, on the rows that see a key."""
     want = ref.tensors["Y"]
     if y is None or y.shape != want.shape:
         return False
     rows = ref.rows
-    return close(y[:, rows], want[:, rows], tolerance(want, dtype))
+    return close(y[:, rows], want[:, rows], bound)
 
 
 def _empty_row(y: torch.Tensor, ref: Reference, a: Anatomy, dtype: torch.dtype) -> Optional[str]:
@@ -142,10 +143,11 @@ def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype,
         ref = reference_steps(a, heads, probe.query, probe.key, probe.keep, causal=causal)
         encodings: list[Any] = [None] if probe.keep is None else ENCODINGS
         attempts = []
+        bound = oracle_bound(a, heads, causal, ref, probe.query, probe.key, probe.keep, dtype)
         for enc in encodings:
             mask = None if enc is None else enc[1](probe.keep.to(device), dtype)  # type: ignore[union-attr]
             rec, y, out_index, error = _run(module, a, probe, mask, batch_first)
-            if error is None and _output_ok(y, ref, dtype):
+            if error is None and _output_ok(y, ref, bound):
                 assert y is not None
                 if enc is not None:
                     name = enc[0]
@@ -156,7 +158,6 @@ def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype,
                     row = _empty_row(y, ref, a, dtype)
                     if row is not None:
                         result.conventions.append(Convention(row))
-                bound = oracle_bound(a, heads, causal, ref, probe.query, probe.key, probe.keep, dtype)
                 rows = ref.rows
                 result.error = max(result.error, float((y[:, rows] - ref.tensors["Y"][:, rows]).abs().max()))
                 result.bound = max(result.bound, bound)
@@ -172,7 +173,7 @@ def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype,
             best: Optional[tuple] = None
             lk = probe.key.shape[1] if probe.key is not None else probe.query.shape[1]
             for rec, y, out_index, error, enc in attempts:
-                f = locate(rec, ref, out_index, dtype, probe.describe(), _roles(a, probe), _weights_of(a), lk)
+                f = locate(rec, ref, out_index, dtype, probe.describe(), _roles(a, probe), _weights_of(a), lk, error)
                 if error is not None and f.rule.endswith(("_other", "generic")):
                     f.rule = "raised"
                 depth = (index, STAGES.index(f.stage) if f.stage in STAGES else 0, f.matched)
