@@ -87,8 +87,9 @@ def render_text(d: "Diagnosis", lang: str = "en") -> str:
 def to_dict(d: "Diagnosis") -> dict[str, Any]:
     """Plain data: status, module, finding (step id, role, rule, line, code, texts in both
     languages, diagram), conventions (keys and texts), error and bound, facts, probes."""
-    out: dict[str, Any] = {"module": d.module, "status": d.status, "error": d.error, "bound": d.bound,
-                           "facts": d.facts, "probes": d.probes}
+    measured = d.finding is None  # a module with a wrong step has no error to bound
+    out: dict[str, Any] = {"module": d.module, "status": d.status, "error": d.error if measured else None,
+                           "bound": d.bound if measured else None, "facts": d.facts, "probes": d.probes}
     if d.finding is not None:
         f = d.finding
         out["finding"] = {
