@@ -76,9 +76,9 @@ class Call:
     positional: tuple[str, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def arguments(self, query: torch.Tensor, key: Optional[torch.Tensor], mask: Any) -> tuple[tuple, dict]:
+    def arguments(self, query: torch.Tensor, key: Optional[torch.Tensor], mask: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """(args, kwargs) of a call with ``query`` and ``key`` (also the value); ``key`` None for self-attention."""
-        given = {self.query: query}
+        given: dict[str, Any] = {self.query: query}
         if self.key is not None:
             given[self.key] = query if key is None else key
         if self.value is not None:
@@ -131,7 +131,7 @@ class Anatomy:
         return [h for h in range(1, self.d_out + 1) if self.d_out % h == 0 and kv % (self.d_out // h) == 0]
 
 
-def _linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _linears(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
 
 
@@ -139,31 +139,33 @@ def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 
 
-def _pick(linears, pattern) -> list[tuple[str, nn.Module]]:
+def _pick(linears: list[tuple[str, nn.Linear]], pattern: re.Pattern[str]) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in linears if pattern.match(_leaf(n))]
 
 
-def _wb(lin: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    w = lin.weight.detach()
-    b = getattr(lin, "bias", None)
-    return w, None if b is None else b.detach()
+def _wb(lin: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    b: Optional[torch.Tensor] = lin.bias
+    return lin.weight.detach(), None if b is None else b.detach()
 
 
 def _split(w: torch.Tensor, b: Optional[torch.Tensor], n: int) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
     ws = w.chunk(n, 0)
-    bs = b.chunk(n, 0) if b is not None else [None] * n
+    bs: list[Optional[torch.Tensor]] = list(b.chunk(n, 0)) if b is not None else [None] * n
     return list(zip(ws, bs))
 
 
-def _find_weights(module: nn.Module) -> tuple[dict, dict[str, str]]:
+def _find_weights(module: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
     """{"q": (w, b), "k": ..., "v": ..., "o": (w, b) or None} and where each came from."""
     if isinstance(module, nn.MultiheadAttention):
         from ..interop import from_torch
 
-        config, w = from_torch(module)
-        get = lambda n: (w[f"{n}.weight"].detach(), w[f"{n}.bias"].detach() if f"{n}.bias" in w else None)  # noqa: E731
-        names = {"q": "in_proj_weight[0:E]", "k": "in_proj_weight[E:2E]", "v": "in_proj_weight[2E:3E]", "o": "out_proj"}
-        return {"q": get("q_proj"), "k": get("k_proj"), "v": get("v_proj"), "o": get("out_proj")}, names
+        _, w = from_torch(module)
+
+        def get(n: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            return w[f"{n}.weight"].detach(), w[f"{n}.bias"].detach() if f"{n}.bias" in w else None
+
+        where = {"q": "in_proj_weight[0:E]", "k": "in_proj_weight[E:2E]", "v": "in_proj_weight[2E:3E]", "o": "out_proj"}
+        return {"q": get("q_proj"), "k": get("k_proj"), "v": get("v_proj"), "o": get("out_proj")}, where
     linears = _linears(module)
     q, k, v, o = _pick(linears, _Q), _pick(linears, _K), _pick(linears, _V), _pick(linears, _OUT)
     qkv, kv = _pick(linears, _QKV), _pick(linears, _KV)

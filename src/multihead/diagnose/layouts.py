@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -40,14 +40,15 @@ def forms(axes: Sequence[str], sizes: Sequence[int]) -> Iterator[tuple[tuple[str
 
 
 @functools.lru_cache(maxsize=256)
-def _forms(axes: tuple[str, ...], sizes: tuple[int, ...]) -> list:
+def _forms(axes: tuple[str, ...], sizes: tuple[int, ...]) -> list[tuple[tuple[str, ...], tuple[int, ...], list[tuple[str, ...]], tuple[int, ...]]]:
     size = dict(zip(axes, sizes))
     out = []
     for perm in itertools.permutations(axes):
         groups_options: list[list[tuple[str, ...]]] = [[(a,) for a in perm]]
         for i in range(len(perm) - 1):
             if (perm[i], perm[i + 1]) in _MERGEABLE:
-                g = [(a,) for a in perm[:i]] + [(perm[i], perm[i + 1])] + [(a,) for a in perm[i + 2:]]
+                g: list[tuple[str, ...]] = [(a,) for a in perm[:i]]
+                g += [(perm[i], perm[i + 1])] + [(a,) for a in perm[i + 2:]]
                 groups_options.append(g)
         for groups in groups_options:
             shape = tuple(math.prod(size[a] for a in g) for g in groups)
@@ -77,7 +78,7 @@ def _describe(groups: list[tuple[str, ...]]) -> str:
 
 def find_form(got: torch.Tensor, ref: torch.Tensor, axes: Sequence[str], *, tol: float,
               rows: Optional[torch.Tensor] = None, row_axis: Optional[str] = None, per_head: bool = False,
-              compare=None) -> Optional[str]:
+              compare: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None) -> Optional[str]:
     """The layout (e.g. ``'b t h d'``, ``'(b h) t d'``, ``'head 1: b t d'``) in which ``got``
     equals ``ref`` (whose axes are ``axes``), or None. ``rows`` (bool, the size of
     ``row_axis``) keeps the rows compared; ``per_head`` also tries each head of an ``h`` axis

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -84,7 +84,7 @@ def tolerance(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return (64 if eps < 1e-4 else 4) * eps * (1.0 + size)  # half types: a few of their (large) units
 
 
-def _masked_compare(ref: Reference, scaled: bool, dtype: torch.dtype):
+def _masked_compare(ref: Reference, scaled: bool, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], bool]:
     """compare(canonical, M): visible scores equal the reference's (scaled, or not yet scaled),
     blocked ones at most :data:`_BLOCKED`."""
     keep = ref.keep
@@ -134,7 +134,7 @@ def label_ops(rec: Recorder, ref: Reference, dtype: torch.dtype) -> dict[int, li
                 continue
             if t.dim() >= 2 and t.shape[-1] in (sum(widths), sum(widths[1:])):  # a fused projection
                 roles = "QKV" if t.shape[-1] == sum(widths) else "KV"
-                pieces = t.split([widths["QKV".index(r)] for r in roles], -1)
+                pieces = torch.split(t, [int(widths["QKV".index(r)]) for r in roles], -1)
                 for role, piece in zip(roles, pieces):
                     form = _match(piece, f"P:{role}", ref, dtype)
                     if form is not None:
@@ -175,11 +175,14 @@ def _ancestors(rec: Recorder, start: Optional[int]) -> set[int]:
     return seen
 
 
-def _stage_of(labels, i: Optional[int]) -> list[tuple[str, str]]:
+Labels = dict[int, list[tuple[str, str]]]
+
+
+def _stage_of(labels: Labels, i: Optional[int]) -> list[tuple[str, str]]:
     return [] if i is None else labels.get(i, [])
 
 
-def _departure(rec: Recorder, labels, stage: str, path: Optional[set[int]], roles_input: dict[str, str]) -> Optional[Op]:
+def _departure(rec: Recorder, labels: Labels, stage: str, path: Optional[set[int]], roles_input: dict[str, str]) -> Optional[Op]:
     """The first op that takes a tensor of a stage before ``stage`` (or a probe input) and makes
     one that matches nothing, on the way to the output."""
     before = set(_INPUTS.get(stage, ()))
@@ -298,7 +301,8 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
             where = where_raised(raised)
             base.update(line=where.line if where else "?", code=where.code if where else "")
 
-    def finding(st: str, rule: str, diagram=(), step=None, **params) -> Finding:
+    def finding(st: str, rule: str, diagram: Sequence[tuple[str, str, str]] = (),
+                step: Optional[_steps.StepKind] = None, **params: Any) -> Finding:
         return Finding(st, step or STAGE_STEPS.get(st, _steps.OUTPUT_PROJECTION), params.get("role", base["role"]),
                        rule, {**base, **params}, where, probe, list(diagram), len(matched))
 
@@ -353,7 +357,7 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
     s_ref, s_star = ref.tensors["S"], ref.tensors["S*"]
     vis = torch.ones_like(s_ref, dtype=torch.bool) if ref.keep is None else ref.keep.expand_as(s_ref)
     if stage in ("S*", "M", "W") and xs is not None and sm is not None:
-        made = rec.ops[sm.source(0)]  # type: ignore[index]  (xs is not None: the input is an op's)
+        made = rec.ops[sm.source(0) or 0]  # xs is not None: the input is an op's
         where = made.where
         base.update(line=where.line if where else "?", code=where.code if where else "", func=made.func)
         # a scale other than 1/sqrt(D): the softmax's input is c * QK^T on the visible scores
@@ -383,12 +387,12 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
                     fills = sorted({round(float(v), 6) for v in blocked[~low]})
                     return Finding("M", _steps.MASK, "", "mask_fill", {**base, "fill": fills[0]}, where, probe, matched=len(matched))
             yours = xs[0, 0] <= _BLOCKED
-            right = ~ref.keep
-            diagram = [(f"query {i}", "".join("x" if v else "." for v in right[i].tolist()),
-                        "".join("x" if v else "." for v in yours[i].tolist())) for i in range(right.shape[0])]
+            blocked_right = ~ref.keep
+            diagram = [(f"query {i}", "".join("x" if v else "." for v in blocked_right[i].tolist()),
+                        "".join("x" if v else "." for v in yours[i].tolist())) for i in range(blocked_right.shape[0])]
             if bool((yours == ref.keep).all()):
                 return Finding("M", _steps.MASK, "", "mask_inverted", base, where, probe, diagram, len(matched))
-            extra = sorted({(int(i), int(j)) for i, j in (yours & ~right).nonzero().tolist()})
+            extra = sorted({(int(i), int(j)) for i, j in (yours & ~blocked_right).nonzero().tolist()})
             return Finding("M", _steps.MASK, "", "mask_pattern", {**base, "extra": len(extra)}, where, probe, diagram,
                            len(matched))
     if stage == "W" and sm is not None:
@@ -419,13 +423,12 @@ def locate(rec: Recorder, ref: Reference, out_index: Optional[int], dtype: torch
     if stage == "C" and op is not None and op.func in ("view", "reshape", "flatten"):
         for s, form in _stage_of(labels, op.source(0)):
             if s == "O" and form.startswith("b h"):
-                got = op.outputs[0] if op.outputs else None
+                merged = op.outputs[0] if op.outputs else None
                 diagram = []
-                if got is not None and got.dim() == 3:
-                    o = ref.tensors["O"][0]  # (h, q, d)
-                    chunks = o.permute(1, 0, 2)  # (q, h, d)
+                if merged is not None and merged.dim() == 3:
+                    chunks = ref.tensors["O"][0].permute(1, 0, 2)  # (h, q, d) -> (q, h, d)
                     labels_row = []
-                    for row in got[0, : min(lq, 3)].reshape(-1, d):
+                    for row in merged[0, : min(lq, 3)].reshape(-1, d):
                         hit = ((chunks - row).abs().amax(-1) <= 1e-5 * (1 + row.abs().max())).nonzero()
                         labels_row.append(f"t{int(hit[0, 0])}h{int(hit[0, 1])}" if len(hit) else "?")
                     for t in range(min(lq, 3)):

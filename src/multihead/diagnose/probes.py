@@ -46,7 +46,7 @@ class Probe:
         return f"{what}, B={self.query.shape[0]}, Lq={self.query.shape[1]}, Lk={lk}"
 
 
-def _tokens(n: int, length: int, features: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _tokens(n: int, length: int, features: int, seed: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, length, features, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
@@ -58,7 +58,8 @@ def mask_keep(lq: int = LQ) -> torch.Tensor:
     return keep
 
 
-def make_probes(d_in: int, kdim: int, dtype: torch.dtype, device, *, cross: bool, mask: bool, causal: bool) -> list[Probe]:
+def make_probes(d_in: int, kdim: int, dtype: torch.dtype, device: torch.device | str, *, cross: bool, mask: bool,
+                causal: bool) -> list[Probe]:
     """The probes for a module taking ``d_in`` (query) and ``kdim`` (key) features: self, then
     cross (a second input; not for a causal module, whose mask is for one sequence), then mask
     (a mask argument)."""

@@ -23,6 +23,7 @@ import linecache
 import os
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -79,14 +80,14 @@ def _name(func: Any) -> str:
 
 
 def _where() -> Optional[Where]:
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(_SKIP) and "contextlib" not in path:
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             return Where(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, code)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+        frame = frame.f_back
+    return None  # every frame is torch's or multihead's
 
 
 def where_raised(error: BaseException) -> Optional[Where]:
@@ -138,7 +139,7 @@ class Recorder(TorchFunctionMode):
         """Where ``t`` came from (see :class:`Op`)."""
         return self._origin.get(id(t)) or self.names.get(id(t)) or "constant"
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
         if name in _META:

@@ -52,7 +52,8 @@ def _names(a: Anatomy, inputs: dict[int, str]) -> dict[int, str]:
     return {**{i: f"param {n}" for i, n in a.params.items()}, **inputs}
 
 
-def _run(module: nn.Module, a: Anatomy, probe: Probe, mask: Any, batch_first: bool, seed: int = 0):
+def _run(module: nn.Module, a: Anatomy, probe: Probe, mask: Any, batch_first: bool,
+         seed: int = 0) -> tuple[Recorder, Optional[torch.Tensor], Optional[int], Optional[BaseException]]:
     """(recorder, output (B, Lq, E) batch-first or None, the output's op index, the error or None)."""
     q = probe.query if batch_first else probe.query.transpose(0, 1).contiguous()
     k = None if probe.key is None else (probe.key if batch_first else probe.key.transpose(0, 1).contiguous())
@@ -132,7 +133,8 @@ class _Outcome:
         self.probes: list[str] = []
 
 
-def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype, device, explain: bool = True) -> _Outcome:
+def _try(module: nn.Module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype: torch.dtype,
+         device: torch.device, explain: bool = True) -> _Outcome:
     """Run every probe for one reading of the module; on the first probe that differs, locate
     the first wrong step (unless ``explain`` is False: then only whether all match is wanted)."""
     result = _Outcome()
@@ -170,7 +172,7 @@ def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype,
                 return result
             ran = [t for t in attempts if t[3] is None] or attempts[:1]
             attempts = ran
-            best: Optional[tuple] = None
+            best: Optional[tuple[tuple[int, int, int], Finding]] = None
             lk = probe.key.shape[1] if probe.key is not None else probe.query.shape[1]
             for rec, y, out_index, error, enc in attempts:
                 f = locate(rec, ref, out_index, dtype, probe.describe(), _roles(a, probe), _weights_of(a), lk, error)
@@ -186,7 +188,8 @@ def _try(module, a: Anatomy, heads: int, batch_first: bool, causal: bool, dtype,
     return result
 
 
-def _randomness(module, a: Anatomy, dtype, device, layouts: list[bool]) -> Optional[Finding]:
+def _randomness(module: nn.Module, a: Anatomy, dtype: torch.dtype, device: torch.device,
+                layouts: list[bool]) -> Optional[Finding]:
     """A finding when two eval-mode runs on the same input differ (dropout left on)."""
     probe = make_probes(int(a.wq.shape[1]), int(a.wk.shape[1]), dtype, device, cross=False, mask=False, causal=False)[0]
     for bf in layouts:
@@ -210,7 +213,7 @@ def _randomness(module, a: Anatomy, dtype, device, layouts: list[bool]) -> Optio
 _MASKING = ("masked_fill", "masked_fill_", "where", "tril", "triu", "tril_", "triu_")
 
 
-def _masks_itself(module, a: Anatomy, dtype, device, layouts: list[bool]) -> bool:
+def _masks_itself(module: nn.Module, a: Anatomy, dtype: torch.dtype, device: torch.device, layouts: list[bool]) -> bool:
     """Whether the forward masks its scores when no mask is given (a causal module): a masking
     op, ``is_causal=True``, or a bool (L, L) or -inf tensor made along the way."""
     probe = make_probes(int(a.wq.shape[1]), int(a.wk.shape[1]), dtype, device, cross=False, mask=False, causal=False)[0]
