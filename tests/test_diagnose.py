@@ -84,6 +84,7 @@ def test_seed_cross_attention_defect_is_named(seed):
     assert (f.step.id, f.role, f.rule) == ("split_heads", "K", "kv_query_length"), d.text()
     assert "cross-attention" in f.probe and "Lk=7" in f.probe
     assert "Lq=5" in d.text("en") and "Lk=7" in d.text("en") and "查询的长度" in d.text("zh")
+    assert "交叉注意力，B=2，Lq=5，Lk=7" in d.text("zh")
 
 
 def test_seed_001_names_the_finite_fill_convention():

@@ -72,6 +72,8 @@ class Finding:
     diagram: list[tuple[str, str, str]] = field(default_factory=list)
     #: how many reference stages some tensor of the forward matched (how far it got)
     matched: int = 0
+    #: the probe in Chinese (``probe`` is English)
+    probe_zh: str = ""
 
 
 def tolerance(ref: torch.Tensor, dtype: torch.dtype) -> float:

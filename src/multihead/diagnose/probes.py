@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .words import say
+
 __all__ = ["Probe", "make_probes", "ENCODINGS", "BATCH", "LQ", "LK", "EMPTY_ROW"]
 
 BATCH, LQ, LK = 2, 5, 7
@@ -40,10 +42,10 @@ class Probe:
     key: Optional[torch.Tensor]
     keep: Optional[torch.Tensor]
 
-    def describe(self) -> str:
-        lk = LQ if self.key is None else self.key.shape[1]
-        what = {"self": "self-attention", "cross": "cross-attention", "mask": "self-attention with a mask"}[self.name]
-        return f"{what}, B={self.query.shape[0]}, Lq={self.query.shape[1]}, Lk={lk}"
+    def describe(self, lang: str = "en") -> str:
+        """The probe in words: "cross-attention, B=2, Lq=5, Lk=7" (or in Chinese)."""
+        lk = self.query.shape[1] if self.key is None else self.key.shape[1]
+        return say(f"probe_{self.name}", lang, B=self.query.shape[0], Lq=self.query.shape[1], Lk=lk)
 
 
 def _tokens(n: int, length: int, features: int, seed: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

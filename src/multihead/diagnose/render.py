@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .words import say
 
 if TYPE_CHECKING:
+    from .locate import Finding
     from .verdict import Diagnosis
 
 __all__ = ["render_text", "render_html", "to_dict", "finding_text"]
@@ -31,6 +32,10 @@ def _finding_params(params: dict[str, Any], lang: str) -> dict[str, Any]:
         guess = p.get("guess") or ""
         p["guess_text"] = f" (= {guess})" if guess and lang == "en" else (f"（= {guess}）" if guess else "")
     return p
+
+
+def _probe(f: "Finding", lang: str) -> str:
+    return f.probe_zh if lang == "zh" and f.probe_zh else f.probe
 
 
 def finding_text(d: "Diagnosis", lang: str) -> str:
@@ -75,7 +80,7 @@ def render_text(d: "Diagnosis", lang: str = "en") -> str:
             lines.append(f"    {'':10} {say('right', lang):{width}}  |  {say('yours', lang)}")
             for title, right, yours in f.diagram:
                 lines.append(f"    {title:10} {right:{width}}  |  {yours}")
-        lines.append("  " + say("on_probe", lang, probe=f.probe))
+        lines.append("  " + say("on_probe", lang, probe=_probe(f, lang)))
     if d.conventions:
         lines.append("  " + say("conventions", lang))
         for c in d.conventions:
@@ -133,7 +138,7 @@ def render_html(d: "Diagnosis", lang: str = "en") -> str:
             parts.append(f'<table style="border-collapse: collapse;"><caption>{escape(caption)}</caption>'
                          f"<tr><th></th><th>{escape(say('right', lang))}</th><th>{escape(say('yours', lang))}</th></tr>"
                          f"{rows}</table>")
-        parts.append(f"<p>{escape(say('on_probe', lang, probe=f.probe))}</p>")
+        parts.append(f"<p>{escape(say('on_probe', lang, probe=_probe(f, lang)))}</p>")
     if d.conventions:
         items = "".join(f"<li>{escape(say(c.key, lang, **dict(c.params)))}</li>" for c in d.conventions)
         parts.append(f"<p>{escape(say('conventions', lang))}</p><ul>{items}</ul>")

@@ -176,6 +176,7 @@ def _try(module: nn.Module, a: Anatomy, heads: int, batch_first: bool, causal: b
             lk = probe.key.shape[1] if probe.key is not None else probe.query.shape[1]
             for rec, y, out_index, error, enc in attempts:
                 f = locate(rec, ref, out_index, dtype, probe.describe(), _roles(a, probe), _weights_of(a), lk, error)
+                f.probe_zh = probe.describe("zh")
                 if error is not None and f.rule.endswith(("_other", "generic")):
                     f.rule = "raised"
                 depth = (index, STAGES.index(f.stage) if f.stage in STAGES else 0, f.matched)
@@ -198,15 +199,16 @@ def _randomness(module: nn.Module, a: Anatomy, dtype: torch.dtype, device: torch
         if e1 is None and e2 is None and y1 is not None and y2 is not None:
             if torch.equal(torch.nan_to_num(y1), torch.nan_to_num(y2)):
                 return None
+            found = Finding("dropout", _steps.DROPOUT, "", "dropout_eval", {"line": "?", "func": "?"}, None,
+                            probe.describe(), probe_zh=probe.describe("zh"))
             for op in rec.ops:
                 training = op.kwargs.get("training", op.args[1] if len(op.args) > 1 else True)
                 if ("dropout" in op.func and training is True) or op.func in ("bernoulli", "bernoulli_", "rand", "rand_like"):
                     w = op.where
-                    return Finding("dropout", _steps.DROPOUT, "", "dropout_eval",
-                                   {"line": w.line if w else "?", "func": op.func, "code": w.code if w else ""},
-                                   w, probe.describe())
-            return Finding("dropout", _steps.DROPOUT, "", "dropout_eval", {"line": "?", "func": "?"}, None,
-                           probe.describe())
+                    found.where = w
+                    found.params = {"line": w.line if w else "?", "func": op.func, "code": w.code if w else ""}
+                    break
+            return found
     return None
 
 
