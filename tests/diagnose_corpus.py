@@ -562,6 +562,32 @@ def bart_attention():
     return BartAttention(D_MODEL, HEADS, config=config)
 
 
+def bert_self_attention():
+    """Hugging Face's BertSelfAttention (no output projection: its dense sits in BertSelfOutput)."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+
+    config = BertConfig(hidden_size=D_MODEL, num_attention_heads=HEADS)
+    config._attn_implementation = "eager"
+    return BertSelfAttention(config)
+
+
+class GroupedQuery(nn.Module):
+    """Grouped-query attention: 4 query heads share 2 key/value heads (repeat_interleave), SDPA."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.n_heads = 4
+        self.wq, self.wk, self.wv, self.wo = nn.Linear(d, d), nn.Linear(d, d // 2), nn.Linear(d, d // 2), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q = self.wq(x).view(B, L, 4, d // 4).transpose(1, 2)
+        k = self.wk(x).view(B, L, 2, d // 4).transpose(1, 2).repeat_interleave(2, 1)
+        v = self.wv(x).view(B, L, 2, d // 4).transpose(1, 2).repeat_interleave(2, 1)
+        return self.wo(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, d))
+
+
 def _torch_mha(batch_first):
     return lambda: nn.MultiheadAttention(D_MODEL, HEADS, batch_first=batch_first)
 
@@ -583,6 +609,8 @@ CORRECT = {
     "nn.MultiheadAttention batch_first": (_torch_mha(True), ("mask_block", "row_nan")),
     "nanoGPT sdpa is_causal": (NanoGPT, ()),
     "Hugging Face BartAttention": (bart_attention, ("mask_additive", "row_nan")),
+    "Hugging Face BertSelfAttention, no W_O": (bert_self_attention, ("mask_additive", "row_nan")),
+    "grouped-query sdpa": (GroupedQuery, ()),
     "scale on q, (h b) fold, -1e9": (ScaleOnQuery, ("row_uniform",)),
     "multihead.MultiHeadAttention": (_multihead, ()),
     "seed 000": (Seed000, ()),

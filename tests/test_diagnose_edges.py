@@ -64,6 +64,8 @@ def test_forward_that_raises_shows_its_error_and_the_probe():
     d = diagnose(Broken(fused=True))
     assert d.status == "bug" and d.finding.rule == "raised"
     assert "RuntimeError: my own error" in d.text() and "self-attention" in d.finding.probe
+    assert d.text().startswith("Broken: the forward raised on the way to: weights × V")
+    assert d.finding.where.function == "weighted" and "my own error" in d.finding.where.code
 
 
 def test_float64_module_runs_in_float64_and_x_is_checked():

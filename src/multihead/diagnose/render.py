@@ -70,7 +70,8 @@ def render_text(d: "Diagnosis", lang: str = "en") -> str:
         lines.append("  " + say("error_line", lang, error=d.error, bound=d.bound))
     else:
         f = d.finding
-        lines.append(f"{d.module}: {say('bug', lang)}: {_step_title(d, lang)}")
+        head = say("raised_head" if f.rule == "raised" else "bug", lang)
+        lines.append(f"{d.module}: {head}: {_step_title(d, lang)}")
         if f.where is not None:
             lines.append(f"  {say('where', lang, file=os.path.basename(f.where.file), line=f.where.line)}: {f.where.code}")
         lines.append("  " + finding_text(d, lang))
@@ -125,7 +126,8 @@ def render_html(d: "Diagnosis", lang: str = "en") -> str:
     else:
         f = d.finding
         assert f is not None
-        parts.append(f'<p style="color: {color}; font-weight: bold;">{escape(d.module)}: {escape(say("bug", lang))}: '
+        head = say("raised_head" if f.rule == "raised" else "bug", lang)
+        parts.append(f'<p style="color: {color}; font-weight: bold;">{escape(d.module)}: {escape(head)}: '
                      f'{escape(_step_title(d, lang))}</p>')
         if f.where is not None:
             parts.append(f"<p>{escape(say('where', lang, file=os.path.basename(f.where.file), line=f.where.line))}: "

@@ -19,6 +19,7 @@ WORDS: dict[str, tuple[str, str]] = {
     # -- headings
     "matches": ("matches the definition", "与定义一致"),
     "bug": ("first wrong step", "第一个出错的步骤"),
+    "raised_head": ("the forward raised on the way to", "forward 在这一步之前抛出异常"),
     "error_line": ("largest output error against the float64 reference: {error:.1e} (the oracle's bound: {bound:.1e})",
                    "输出与 float64 参考实现的最大误差：{error:.1e}（容差上限：{bound:.1e}）"),
     "facts": ("found: {heads} heads of {head_dim}, {layout}, {proj}{causal}",
