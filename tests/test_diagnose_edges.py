@@ -78,6 +78,14 @@ def test_float64_module_runs_in_float64_and_x_is_checked():
         diagnose(m, [1, 2])
     with pytest.raises(TypeError, match="torch.nn.Module"):
         diagnose("not a module")
+    with pytest.raises(ValueError, match="num_heads must be positive"):
+        diagnose(m, num_heads=0)
+    with pytest.raises(ValueError, match="num_heads=5 does not divide the query projection's width 12"):
+        diagnose(m, num_heads=5)
+    with pytest.raises(TypeError, match="batch_first must be True, False or None"):
+        diagnose(m, batch_first="yes")
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        diagnose(m, kwargs=[1])
 
 
 def test_bfloat16_module_is_judged_at_its_precision():

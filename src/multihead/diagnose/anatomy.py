@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from .._checks import check_positive_int
+
 __all__ = ["Anatomy", "Call", "find_anatomy", "NotAttention", "MAX_PARAMETERS", "LOOKED_FOR"]
 
 #: a module with more parameters than this is refused: diagnose one attention layer, not a model
@@ -251,6 +253,12 @@ def find_anatomy(module: nn.Module, *, num_heads: Optional[int] = None, batch_fi
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"diagnose takes your attention module (a torch.nn.Module), got {type(module).__name__}")
+    if num_heads is not None:
+        check_positive_int(num_heads, "num_heads")
+    if batch_first is not None and not isinstance(batch_first, bool):
+        raise TypeError(f"batch_first must be True, False or None (try both), got {batch_first!r}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of forward's arguments by name, got {type(kwargs).__name__}")
     count = sum(p.numel() for p in module.parameters())
     if count > MAX_PARAMETERS:
         raise ValueError(f"{type(module).__name__} has {count:,} parameters, more than diagnose runs "
