@@ -132,6 +132,17 @@ def test_matches_reports_error_and_bound():
     assert math.isfinite(data["bound"]) and "matches the definition" in str(d) and "与定义一致" in d.text("zh")
 
 
+@pytest.mark.parametrize("how", ["Module.compile", "torch.compile"])
+def test_compiled_module_is_diagnosed_eagerly(how):
+    m = corpus.mutant("scale_by_d", "bf-fused")
+    if how == "Module.compile":
+        m.compile()
+    else:
+        m = torch.compile(m)
+    d = diagnose(m)
+    assert d.finding.step.id == "scale" and d.finding.params["guess"] == "1/D", d.text()
+
+
 def test_module_modes_are_restored():
     m = corpus.Separate().train()
     m.drop.eval()

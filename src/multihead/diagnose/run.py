@@ -66,8 +66,8 @@ def _run(module: nn.Module, a: Anatomy, probe: Probe, mask: Any, batch_first: bo
     rec = Recorder(_names(a, inputs))
     torch.manual_seed(seed)
     try:
-        with torch.no_grad(), rec:
-            out = module(*args, **kwargs)
+        with torch.no_grad(), rec:  # hooks and forward, eager even after Module.compile(): each op must be seen
+            out = getattr(module, "_call_impl")(*args, **kwargs)
     except Exception as error:  # the user's forward raised: that is what is diagnosed
         return rec, None, None, error
     while isinstance(out, (tuple, list)) and out:
@@ -272,6 +272,7 @@ def diagnose(module: nn.Module, x: Optional[torch.Tensor] = None, *, num_heads: 
             is stated), parameters on several devices or on meta, a forward needing arguments
             that cannot be guessed (say what to pass), an ``x`` that does not fit.
     """
+    module = getattr(module, "_orig_mod", module)  # torch.compile(module): the module it wraps
     a = find_anatomy(module, num_heads=num_heads, batch_first=batch_first, kwargs=kwargs)
     first = next(iter(module.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
