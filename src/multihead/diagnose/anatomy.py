@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_positive_int
+from ..interop import from_torch
 
 __all__ = ["Anatomy", "Call", "find_anatomy", "NotAttention", "MAX_PARAMETERS", "LOOKED_FOR"]
 
@@ -159,8 +160,6 @@ def _split(w: torch.Tensor, b: Optional[torch.Tensor], n: int) -> list[tuple[tor
 def _find_weights(module: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
     """{"q": (w, b), "k": ..., "v": ..., "o": (w, b) or None} and where each came from."""
     if isinstance(module, nn.MultiheadAttention):
-        from ..interop import from_torch
-
         _, w = from_torch(module)
 
         def get(n: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import steps as _steps
+from .._numerics import default_scale
 from ..module import MultiHeadAttention
 from ..trace import trace
 from .anatomy import Anatomy
 
-__all__ = ["Reference", "reference_steps", "STAGES", "STAGE_STEPS", "HEAD_STAGES"]
+__all__ = ["Reference", "reference_steps", "reference_module", "STAGES", "STAGE_STEPS", "HEAD_STAGES"]
 
 STAGES = ("P:Q", "P:K", "P:V", "H:Q", "H:K", "H:V", "S", "S*", "M", "W", "O", "C", "Y")
 #: the catalogue step each stage is
@@ -61,7 +62,9 @@ class Reference:
     kinds: tuple[str, ...] = ()
 
 
-def _module(a: Anatomy, num_heads: int, causal: bool) -> tuple[MultiHeadAttention, bool]:
+def reference_module(a: Anatomy, num_heads: int, causal: bool) -> tuple[MultiHeadAttention, bool]:
+    """`MultiHeadAttention` (reference backend, float64, eval) holding the anatomy's weights, and
+    whether it holds W_O too (False: no W_O, or one that changes the width; applied apart)."""
     d_out, d_in = a.wq.shape
     kv_heads = int(a.wk.shape[0]) // (d_out // num_heads)
     square = a.wo is not None and tuple(a.wo.shape) == (d_out, d_out)
@@ -86,7 +89,7 @@ def reference_steps(a: Anatomy, num_heads: int, query: torch.Tensor, key: Option
     """The reference run on ``query`` (B, Lq, E) and ``key`` (B, Lk, E; None: self-attention)
     with the bool mask ``keep`` (Lq, Lk; True = may attend; None: none) and a causal mask when
     ``causal``; inputs are batch-first."""
-    m, square = _module(a, num_heads, causal)
+    m, square = reference_module(a, num_heads, causal)
     q = query.detach().double().cpu()
     k = None if key is None else key.detach().double().cpu()
     with torch.no_grad(), trace() as tr:
@@ -108,4 +111,5 @@ def reference_steps(a: Anatomy, num_heads: int, query: torch.Tensor, key: Option
         full = full & keep
     applied = full if (causal or keep is not None) else None
     kinds = (("causal",) if causal else ()) + (("keep",) if keep is not None else ())
-    return Reference(tensors, m._scale, num_heads, applied, full.any(-1), kinds)
+    scale = default_scale(int(a.wq.shape[0]) // num_heads)  # the scale the module uses: 1/sqrt(D)
+    return Reference(tensors, scale, num_heads, applied, full.any(-1), kinds)

@@ -21,6 +21,7 @@ by eps(float64) / eps(float32), as in the oracle.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -30,7 +31,8 @@ import torch
 from .._numerics import compute_dtype
 from .anatomy import Anatomy
 from .locate import Finding
-from .reference import Reference, _module
+from .reference import Reference, reference_module
+from .render import render_html, render_text, to_dict
 
 __all__ = ["Convention", "Diagnosis", "oracle_bound"]
 
@@ -70,26 +72,18 @@ class Diagnosis:
 
     def text(self, lang: str = "en") -> str:
         """The report as plain text in ``lang`` ("en" or "zh")."""
-        from .render import render_text
-
         return render_text(self, lang)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (what :meth:`to_json` writes)."""
-        from .render import to_dict
-
         return to_dict(self)
 
     def to_json(self, **kwargs: Any) -> str:
         """The report as JSON (both languages' texts included)."""
-        import json
-
         return json.dumps(self.to_dict(), ensure_ascii=False, **kwargs)
 
     def html(self, lang: str = "en") -> str:
         """The report as one self-contained HTML fragment in ``lang``."""
-        from .render import render_html
-
         return render_html(self, lang)
 
     def _repr_html_(self) -> str:
@@ -103,7 +97,7 @@ def oracle_bound(a: Anatomy, num_heads: int, causal: bool, ref: Reference, query
                  key: Optional[torch.Tensor], keep: Optional[torch.Tensor], dtype: torch.dtype) -> float:
     """The oracle's bound on the output error of a ``dtype`` forward on this probe (see the module docstring)."""
     naive_dtype = torch.float32 if dtype == torch.float64 else dtype
-    m, square = _module(a, num_heads, causal)
+    m, square = reference_module(a, num_heads, causal)
     m = m.to(naive_dtype)
     with torch.no_grad():
         q = query.detach().cpu().to(naive_dtype)
