@@ -19,6 +19,7 @@ Public surface:
 * :func:`trace` -- record the steps of a real forward pass
 * :func:`explain` -- the step-by-step walkthrough of your own module or trace (text, Markdown,
   JSON, HTML, inline in Jupyter); loaded on first use
+* :func:`diagnose` -- find the first wrong step of your own attention module (loaded on first use)
 * :class:`KVCache`, :class:`StaticKVCache`, :class:`KVCaches`, :class:`RoPE` -- step-by-step
   decoding (eager and compiled, one cache per layer) and rotary position embeddings
 """
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .explain.explanation import explain
+    from .diagnose import diagnose
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
@@ -58,14 +60,15 @@ __all__ = [
     "KVCaches",
     "RoPE",
     "explain",
+    "diagnose",
 ]
 
 
 def __getattr__(name: str) -> Any:
     """``multihead.explain``, imported on first use (``import multihead`` stays light: the
     walkthrough's renderers load only when asked for)."""
-    if name == "explain":
+    if name in ("explain", "diagnose"):
         import importlib
 
-        return importlib.import_module(".explain", __name__)  # the package is callable: explain(...)
+        return importlib.import_module("." + name, __name__)  # the package is callable: explain(...), diagnose(...)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

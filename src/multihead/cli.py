@@ -155,7 +155,38 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
                       help="query token: the walkthrough of --layer (default 0) for this token (--model)")
     real.add_argument("--neuron", action="store_true", default=d(False),
                       help="the neuron view of --layer, --head (default 0) and --token (default: the last) (--model)")
+    dg = sub.add_parser(
+        "diagnose", help="find the first wrong step of your own attention module",
+        description="Run your module and the definition (MultiHeadAttention with your weights) on probe "
+        "inputs and name the first step where yours departs, with the line and why.")
+    dg.add_argument("target", metavar="FILE.py:Class", help="your module: a class, a factory or an instance")
+    dg.add_argument("--init", action="append", default=d([]), metavar="NAME=VALUE", help="an argument of Class(...)")
+    dg.add_argument("--arg", action="append", default=d([]), metavar="NAME=VALUE", help="an argument forward needs")
+    dg.add_argument("--heads", type=_positive("--heads"), default=d(None), help="the head count, if no attribute says it")
+    dg.add_argument("--layout", choices=("batch-first", "seq-first"), default=d(None), help="default: tried both")
+    dg.add_argument("--lang", choices=("en", "zh"), default=d("en"))
+    dg.add_argument("--format", choices=("text", "json", "html"), default=d("text"))
+    dg.add_argument("--out", default=d(None), help="write to this file instead of stdout")
+    dg.add_argument("--check", action="store_true", default=d(False), help="exit 1 when a step is wrong (for CI)")
     return parser
+
+
+def _diagnose(args, stdout) -> int:
+    """``multihead diagnose``: the report, exit 0 (with ``--check``: 1 when a step is wrong)."""
+    from .explain import check_out
+    from .diagnose import diagnose
+    from .diagnose.load import load_module, parse_assignments
+
+    out = check_out(args.out, stdout)
+    module = load_module(args.target, parse_assignments(args.init, "--init"))
+    layout = None if args.layout is None else args.layout == "batch-first"
+    d = diagnose(module, num_heads=args.heads, batch_first=layout, kwargs=parse_assignments(args.arg, "--arg"))
+    text = {"text": lambda: d.text(args.lang), "json": lambda: d.to_json(indent=2), "html": lambda: d.html(args.lang)}[args.format]()
+    if out is None:
+        print(text, file=stdout)
+    else:
+        out.write_text(text + "\n", encoding="utf-8")
+    return 1 if args.check and not d.ok else 0
 
 
 #: options of the step-by-step walkthrough; --model refuses them
@@ -282,7 +313,9 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> i
             print(f"multihead {_version()}", file=stdout)
             return 0
         if args.command is None:
-            raise UsageError("choose a command: multihead explain (see multihead --help)")
+            raise UsageError("choose a command: multihead explain or multihead diagnose (see multihead --help)")
+        if args.command == "diagnose":
+            return _diagnose(args, stdout)
         _check_options(args, set(vars(build_parser(defaults=False).parse_args(argv))))
         options = _typed(args)
         with warnings.catch_warnings(record=True) as caught:
