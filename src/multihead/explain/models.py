@@ -36,10 +36,8 @@ d the hidden size.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
-import io
 import os
 import threading
 import warnings
@@ -50,6 +48,7 @@ from typing import Any, Callable, Optional, cast
 import torch
 
 from .._numerics import default_scale
+from .._progress import progress
 from . import UsageError
 
 __all__ = ["MODELS", "MAX_TOKENS", "ModelSpec", "ModelError", "ModelInfo", "LayerRecord", "RealRun",
@@ -99,21 +98,15 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _load_smollm2(path: str) -> tuple[Any, Any]:
     """transformers' GGUF reader for the config, the tokenizer and the tensors (dequantized to
-    float32, q/k rows back in transformers' rotate-half order). ``from_pretrained(gguf_file=)``
-    would do the same but also asks for ``accelerate``; the model is built without its random
-    initialisation, since every tensor is then loaded (strict)."""
+    float32, q/k rows back in transformers' rotate-half order), through the integration's
+    :func:`~multihead.integrations.transformers.from_gguf` (``from_pretrained(gguf_file=)`` would
+    do the same but also asks for ``accelerate``)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from ..integrations.transformers import from_gguf
     config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    with no_init_weights():
-        net = cast(Any, AutoModel).from_config(config, attn_implementation=_NAME)
-    with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bar (tqdm, on stderr)
-        tensors = cast(Any, load_gguf_checkpoint)(os.path.join(path, SMOLLM2_GGUF), return_tensors=True,
-                                       model_to_load=net)["tensors"]
-    net.load_state_dict(tensors, strict=True)
-    return tokenizer, net
+    return tokenizer, from_gguf(AutoModel, config, os.path.join(path, SMOLLM2_GGUF), attn_implementation=_NAME)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -476,6 +469,11 @@ def _open(model: str) -> RealModel:
 
     _register()
     cast(Any, hf_logging).disable_progress_bar()
+    with progress(f"loading {MODELS[model].title if model in MODELS else Path(model).name}"):
+        return _open_model(model)
+
+
+def _open_model(model: str) -> RealModel:
     try:
         if model in MODELS:
             spec = MODELS[model]
