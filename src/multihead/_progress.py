@@ -122,7 +122,7 @@ class Progress:
             filled = min(_WIDTH, _WIDTH * self.done // self.total)
             line = f"{self.what} [{'#' * filled}{'.' * (_WIDTH - filled)}] {self.done}/{self.total} {took:.1f} s"
         else:
-            line = f"{self.what} {self.done} {took:.1f} s"
+            line = f"{self.what} ... {took:.1f} s" + (f" ({self.done})" if self.done else "")
         if note:
             line += f" {note}"
         self._write("\r" + line.ljust(self._width))

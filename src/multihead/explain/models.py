@@ -141,6 +141,16 @@ def _missing(model: str) -> list[str]:
     return [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
 
 
+#: what a token's leading space is drawn as
+SPACE = "␣"
+
+
+def shown(token: str) -> str:
+    """``token`` as the views print it: the space markers of byte-level BPE (GPT-2, Llama 3,
+    SmolLM2: ``Ġ``) and SentencePiece (``▁``) drawn as a visible space, ``␣``."""
+    return token.replace("Ġ", SPACE).replace("▁", SPACE)
+
+
 # ---------------------------------------------------------------------------- records
 def kv_groups(heads: int, kv_heads: int) -> tuple[tuple[int, ...], ...]:
     """The query heads reading each key/value head: query head i reads kv head i // (H // Hkv)."""
@@ -374,7 +384,8 @@ class RealModel:
         self.info = ModelInfo(name, title, layers, heads, kv, head_dim, hidden, rope, family)
 
     def tokenize(self, text: str) -> tuple[list[str], torch.Tensor]:
-        """``(tokens, ids (1, L))`` of ``text``; ValueError for an empty or too long text."""
+        """``(tokens, ids (1, L))`` of ``text``, the tokens as the views print them (:func:`shown`);
+        ValueError for an empty or too long text."""
         if not isinstance(text, str) or not text.strip():
             raise ModelError('--text is empty; give a sentence, e.g. --text "The cat sat on the mat"')
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
@@ -384,7 +395,7 @@ class RealModel:
                              "use a shorter sentence")
         if L < 2:
             raise ModelError(f"--text gives {L} token for {self.title}; give a sentence of at least two tokens")
-        return self.tokenizer.convert_ids_to_tokens(ids[0].tolist()), ids
+        return [shown(t) for t in self.tokenizer.convert_ids_to_tokens(ids[0].tolist())], ids
 
     def run(self, text: str) -> RealRun:
         """``text`` through the model, every layer recorded (:class:`RealRun`)."""
