@@ -196,7 +196,7 @@ class _Values(dict[str, Any]):
 
 #: the counted nouns of the English texts, whose plural "s" goes after a count of 1
 _ONE = re.compile(r"(?<![\d.])\b1 ((?:key |query |new |key/value |cached )?(?:sequence|token|head|layer|number|key|"
-                  r"value|panel|tile|feature)s|(?:key |new )?queries)\b")
+                  r"value|panel|tile|feature|call|step)s|(?:key |new )?queries)\b")
 
 
 def singular_ones(text: str) -> str:

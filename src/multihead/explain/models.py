@@ -52,7 +52,7 @@ from .._progress import progress
 from . import UsageError
 
 __all__ = ["MODELS", "MAX_TOKENS", "ModelSpec", "ModelError", "ModelInfo", "LayerRecord", "RealRun",
-           "RealModel", "load", "check_name", "kv_groups"]
+           "RealModel", "load", "wrap", "check_name", "kv_groups", "shown", "SPACE"]
 
 #: the longest sentence (in tokens) the views lay out
 MAX_TOKENS = 60
@@ -182,7 +182,7 @@ class ModelInfo:
         return kv_groups(self.heads, self.kv_heads)
 
 
-@dataclass
+@dataclass(repr=False)
 class LayerRecord:
     """One attention layer on the sentence, as the model ran it (batch 1 dropped).
 
@@ -219,6 +219,10 @@ class LayerRecord:
     module: Any = field(default=None, repr=False)
     module_bias: bool = False   # whether the layer's projections have biases
 
+    def __repr__(self) -> str:
+        return (f"<LayerRecord: q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, "
+                f"weights {tuple(self.weights.shape)}, scale {self.scale:.4g}>")
+
     @property
     def causal(self) -> bool:
         L = self.keep.shape[-1]
@@ -226,7 +230,7 @@ class LayerRecord:
         return bool(L > 1 and (self.keep == tril).all())
 
 
-@dataclass
+@dataclass(repr=False)
 class RealRun:
     """A sentence through a model: its L tokens and one :class:`LayerRecord` per layer; ``net``
     is the transformers model that ran."""
@@ -237,6 +241,10 @@ class RealRun:
     ids: list[int]
     layers: list[LayerRecord]
     net: Any = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (f"<RealRun: {self.info.title}, {len(self.tokens)} tokens, {len(self.layers)} layers x "
+                f"{self.info.heads} heads; .tokens, .weights (layers, H, L, L), .layers[i]>")
 
     @property
     def weights(self) -> torch.Tensor:
@@ -412,6 +420,7 @@ class RealModel:
         rec: dict[str, Any] = {"calls": [], "inputs": {}}
         hooks = _hook_inputs(rec, self.net)
         _state.rec = rec
+        switched = self._switch_attention()
         try:
             with torch.no_grad():
                 self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
@@ -422,6 +431,8 @@ class RealModel:
             _state.rec = None
             for h in hooks:
                 h.remove()
+            if switched is not None:
+                self.net.set_attn_implementation(switched)
         calls = rec["calls"]
         if len(calls) != self.info.layers:
             raise ModelError(
@@ -435,6 +446,15 @@ class RealModel:
             hidden, pos = rec["inputs"].get(id(module), (None, None))
             records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
         return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
+
+    def _switch_attention(self) -> Optional[str]:
+        """A user's model (:func:`wrap`) runs on the recording attention for the run: the
+        implementation it had, to restore, or None when it already runs on it."""
+        current = getattr(self.net.config, "_attn_implementation", None)
+        if current == _NAME:
+            return None
+        self.net.set_attn_implementation(_NAME)
+        return cast(Optional[str], current)
 
     def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
                 out_proj: Any) -> LayerRecord:
@@ -521,6 +541,27 @@ def _open_model(model: str) -> RealModel:
         # transformers refuses a custom attention implementation for models without the interface
         raise ModelError(f"--model {model}: its attention cannot run through multihead "
                          f"({str(e).splitlines()[0][:160]})") from None
+
+
+def wrap(net: Any, tokenizer: Any, name: Optional[str] = None) -> RealModel:
+    """A :class:`RealModel` of a transformers model and its tokenizer the caller has loaded (any
+    attention implementation: each :meth:`RealModel.run` switches the model to multihead's
+    recording attention and back, in eval mode).
+
+    Raises:
+        TypeError: ``net`` is not a transformers model (an ``nn.Module`` with a ``config``) or
+            ``tokenizer`` is not callable.
+    """
+    if not isinstance(net, torch.nn.Module) or getattr(net, "config", None) is None \
+            or not hasattr(net, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers model (e.g. AutoModel.from_pretrained(...)), "
+                        f"got {type(net).__name__}; or pass a name: {', '.join(MODELS)}, or a directory")
+    if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise TypeError(f"tokenizer must be the model's transformers tokenizer (AutoTokenizer.from_pretrained), "
+                        f"got {type(tokenizer).__name__}")
+    _register()
+    title = name or getattr(net.config, "name_or_path", "") or type(net).__name__
+    return RealModel(title, os.path.basename(str(title).rstrip("/")) or type(net).__name__, tokenizer, net)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,13 +27,14 @@ from __future__ import annotations
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .. import steps
 from .._numerics import is_default_scale
 from ..trace import Trace
+from .._progress import progress
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
@@ -229,7 +230,8 @@ def _real(args) -> RealRun:
                                      ("--head", args.head, model.info.heads, "heads")):
         if value is not None and not 0 <= value < count:
             raise UsageError(f"{flag} {value} is out of range: {model.title} has {what} 0-{count - 1}")
-    real = model.run(text)
+    with progress(f"running {model.title}"):
+        real = model.run(text)
     real.check_indices(token=getattr(args, "token", None))
     return real
 
@@ -513,12 +515,17 @@ def run_visual(args, stdout) -> int:
         raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
                          "drop --format or add --neuron")
     real = _real(args)
-    maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
-                                               neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
-    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)
+    with progress(f"drawing {real.info.title}'s {args.format}", total=2) as bar:
+        maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
+                                                   neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
+        bar.update()
+        written = visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head,
+                               fragments=fragments)
+        bar.update()
+    return written
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ModelPage:
     """A real model's explain page, for Python and notebooks (:func:`explain_model`).
 
@@ -540,14 +547,24 @@ class ModelPage:
 
         return iframe(self.page, title=f"multihead: {self.run.info.title}")
 
+    def __repr__(self) -> str:
+        """One line (the page itself is about a megabyte for a 30-layer model)."""
+        info = self.run.info
+        return (f"<multihead.ModelPage: {info.title}, {info.layers} layers x {info.heads} heads, "
+                f"{len(self.run.tokens)} tokens, a {len(self.page) // 1000:,} kB page; .html(), .run>")
 
-def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
+
+def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
                   head: Optional[int] = None, neuron: bool = False, token: Optional[int] = None,
                   lang: str = "en") -> ModelPage:
-    """``model`` (``"minilm"``, ``"smollm2"`` or a directory transformers loads) on ``text``, as
-    the page ``multihead explain --model`` draws: every layer x head, the worked score on hover,
-    and with ``neuron=True`` the neuron view of ``layer``/``head`` (default 0) and ``token``
-    (default the last) as a section.
+    """``model`` on ``text``, as the page ``multihead explain --model`` draws: every layer x head,
+    the worked score on hover, and with ``neuron=True`` the neuron view of ``layer``/``head``
+    (default 0) and ``token`` (default the last) as a section.
+
+    ``model``: ``"minilm"``, ``"smollm2"``, a directory transformers loads, or a
+    ``(model, tokenizer)`` pair already loaded (e.g. by
+    :func:`multihead.integrations.transformers.load`; run in eval mode on multihead's recording
+    attention, its own attention implementation restored afterwards).
 
     Raises:
         ValueError: unknown model, empty or too long text, an index out of range, an unknown lang.
@@ -562,7 +579,14 @@ def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
         raise TypeError(f"neuron must be True or False, got {type(neuron).__name__}")
     if token is not None and not neuron:
         raise ValueError("token picks the query of the neuron view: pass neuron=True with it")
-    loaded = _models.load(model)
+    if isinstance(model, tuple) and len(model) == 2:
+        loaded = _models.wrap(*model)
+        model = loaded.name
+    elif isinstance(model, str):
+        loaded = _models.load(model)
+    else:
+        raise TypeError(f"model must be a name ({', '.join(_models.MODELS)}), a directory, or a (model, tokenizer) "
+                        f"pair, got {type(model).__name__}")
     loaded.tokenize(text)  # a too long text is refused before the forward pass
     for name, value, count, what in (("layer", layer, loaded.info.layers, "layers"),
                                      ("head", head, loaded.info.heads, "heads")):
@@ -572,8 +596,12 @@ def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= value < count:
             raise ValueError(f"{name} {value} is out of range: {loaded.title} has {what} 0-{count - 1}")
-    real = loaded.run(text)
-    maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
-                                                token=token, lang=lang)
-    page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+    with progress(f"explaining {loaded.title}", total=3) as bar:
+        real = loaded.run(text)
+        bar.update(note="maps")
+        maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
+                                                    token=token, lang=lang)
+        bar.update(note="page")
+        page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+        bar.update()
     return ModelPage(real, page)
