@@ -91,3 +91,19 @@ def test_the_walkthrough_of_one_sequence_says_so():
     assert rc == 0
     assert "1 sequence of 1 token," in out and "cross-attention to 1 key token" in out and "batch 1, 1 token," in out
     assert "1 sequences" not in out and "1 tokens" not in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--batch", "1", "--tokens", "16", "--d-in", "64", "--d-out", "64", "--heads", "2"],
+    ["--tokens", "40", "--d-in", "16", "--d-out", "32", "--batch", "1", "--per-head", "--cost"],
+    ["--model", "DIR", SENTENCE],
+    ["--model", "DIR", SENTENCE, "--token", "3", "--layer", "1"],
+    ["--model", "DIR", SENTENCE, "--neuron", "--layer", "1", "--head", "3"],
+], ids=["wide walkthrough", "long walkthrough", "model", "model token", "model neuron"])
+def test_text_output_fits_100_columns(argv, llama_dir):
+    rc, out, err = run_cli(*[llama_dir if a == "DIR" else a for a in argv])
+    assert rc == 0, err
+    from multihead.explain.real_model import display_width
+
+    wide = [line for line in out.splitlines() if display_width(line) > 100]
+    assert not wide, wide[:3]
