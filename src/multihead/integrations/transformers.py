@@ -251,6 +251,14 @@ def _check_load_args(path: object, gguf_file: object) -> str:
     return folder
 
 
+def _dtype_keyword() -> str:
+    """``from_pretrained``'s name for the dtype: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def _model_class(config: Any) -> Any:
     """AutoModelForCausalLM for a causal LM (by the config's architectures, or, when it names none
     as a GGUF file's config does, by whether transformers has a causal LM for its model type),
@@ -331,7 +339,7 @@ def load(path: "str | os.PathLike[str]", gguf_file: Optional[str] = None, *, bac
         try:
             if gguf_file is None:
                 model = cls.from_pretrained(folder, local_files_only=True, attn_implementation=NAME,
-                                            **({"dtype": dtype} if dtype is not None else {}))
+                                            **({_dtype_keyword(): dtype} if dtype is not None else {}))
             else:
                 model = from_gguf(cls, config, os.path.join(folder, gguf_file), bar=bar)
                 if dtype is not None:
