@@ -50,3 +50,24 @@ def test_pages_runs_records_and_traces_repr_in_one_line(llama_dir):
     with multihead.trace() as tr:
         mha(torch.randn(1, 3, 8))
     assert repr(tr).startswith(f"<multihead.Trace: {len(tr.steps)} steps in 1 call, checks ")
+
+
+def test_outputs_attentions_and_tokens_make_a_page_as_bertviz_takes_them(llama_dir):
+    """Weights any implementation computed (torch's eager here), labelled as explain_model labels
+    the same weights recorded on multihead."""
+    from multihead.explain.real_model import explain_attentions
+
+    net = transformers.AutoModel.from_pretrained(llama_dir, local_files_only=True, attn_implementation="eager")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama_dir, local_files_only=True)
+    ids = tokenizer(SENTENCE, return_tensors="pt")
+    with torch.no_grad():
+        outputs = net(**ids, output_attentions=True)
+    tokens = tokenizer.convert_ids_to_tokens(ids["input_ids"][0])
+    page = explain_attentions(outputs.attentions, tokens, title="tiny llama")
+    recorded = explain_model(llama_dir, SENTENCE).run.weights
+    torch.testing.assert_close(page.weights, recorded, rtol=0, atol=1e-6)   # eager's float32 softmax vs multihead's
+    assert "tiny llama" in page.html() and repr(page).startswith("<multihead.AttentionsPage: 2 layers x 4 heads, 7 tokens")
+    with pytest.raises(ValueError, match=r"attentions are \(7, 7\) per head but tokens has 3"):
+        explain_attentions(outputs.attentions, tokens[:3])
+    with pytest.raises(TypeError, match=r"attentions must be outputs.attentions"):
+        explain_attentions("weights", tokens)

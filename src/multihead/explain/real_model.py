@@ -56,6 +56,8 @@ __all__ = [
     "run_visual",
     "ModelPage",
     "explain_model",
+    "AttentionsPage",
+    "explain_attentions",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
@@ -605,3 +607,71 @@ def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
         page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
         bar.update()
     return ModelPage(real, page)
+
+
+@dataclass(frozen=True, repr=False)
+class AttentionsPage:
+    """The page of attention weights some model computed (:func:`explain_attentions`): every
+    layer x head with its pattern label, without the worked scores (weights carry no q and k)."""
+
+    tokens: tuple[str, ...]
+    weights: torch.Tensor   # (layers, H, L, L)
+    page: str
+
+    def html(self) -> str:
+        """The page, to write to a file."""
+        return self.page
+
+    def _repr_html_(self) -> str:
+        from .notebook import iframe
+
+        return iframe(self.page, title="multihead: attention weights")
+
+    def __repr__(self) -> str:
+        layers, heads, L = self.weights.shape[:3]
+        return (f"<multihead.AttentionsPage: {layers} layers x {heads} heads, {L} tokens, "
+                f"a {len(self.page) // 1000:,} kB page; .html()>")
+
+
+def explain_attentions(attentions: Any, tokens: Sequence[str], *, title: str = "attention",
+                       layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> AttentionsPage:
+    """The page of ``outputs.attentions`` (a transformers model run with ``output_attentions=True``,
+    any attention implementation) for ``tokens``, as bertviz's ``head_view(attention, tokens)``
+    takes them: every layer x head, labelled with its pattern.
+
+    Args:
+        attentions: one (1, H, L, L) tensor per layer (``outputs.attentions``), or a
+            (layers, H, L, L) tensor; batch element 0 is shown.
+        tokens: the L tokens (``tokenizer.convert_ids_to_tokens(ids[0])``); space markers are
+            drawn as ``␣``.
+        layer, head: shown first (default: the layer with the most labelled heads, head 0).
+
+    A key whose weight is 0 in every row of a head is still drawn as visible: the weights do not
+    say what the mask was (explain_model, which records the mask, does).
+    """
+    from . import visual
+
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
+    if isinstance(attentions, (list, tuple)):
+        if not attentions or not all(isinstance(a, torch.Tensor) and a.dim() == 4 for a in attentions):
+            raise TypeError("attentions must be outputs.attentions: a tuple of (B, H, L, L) tensors, one per layer")
+        weights = torch.stack([a[0] for a in attentions])
+    elif isinstance(attentions, torch.Tensor) and attentions.dim() == 4:
+        weights = attentions
+    else:
+        raise TypeError(f"attentions must be outputs.attentions (a tuple of (B, H, L, L) tensors) or a "
+                        f"(layers, H, L, L) tensor, got {type(attentions).__name__}")
+    weights = weights.detach().float().cpu()
+    L = weights.shape[-1]
+    tokens = [_models.shown(str(t)) for t in tokens]
+    if weights.shape[-2] != L or len(tokens) != L:
+        raise ValueError(f"attentions are {tuple(weights.shape[-2:])} per head but tokens has {len(tokens)}; "
+                         "pass the tokens of the same input")
+    for name, value, count in (("layer", layer, weights.shape[0]), ("head", head, weights.shape[1])):
+        if value is not None and not (isinstance(value, int) and 0 <= value < count):
+            raise ValueError(f"{name} {value!r} is out of range: the attentions have {count} {name}s (0-{count - 1})")
+    maps = layer_maps(tokens, weights, model=title, lang=lang, title=title)
+    start = default_layer(label_heads(pattern_scores(weights, None))) if layer is None else layer
+    page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=_or(head, 0))
+    return AttentionsPage(tuple(tokens), weights, page)
