@@ -165,6 +165,8 @@ def _warn_if_inverted(mask: object, lq: int, lk: int) -> None:
             or mask.dim() < 2 or lq != lk or lq < 2 or mask.shape[-2:] != (lq, lk) \
             or torch.compiler.is_compiling():
         return
+    if mask.device.type == "meta":   # no values to read
+        return
     if mask.device.type != "cpu":
         if _checked_device_mask:
             return
@@ -549,13 +551,13 @@ class MultiHeadAttention(nn.Module):
         with the module's causal mask (unless ``causal=False``: with a cache, the cache's own
         mask says what each token sees)."""
         lq = query.shape[1]
-        if not _warned_inverted_mask:
-            _warn_if_inverted(mask, lq, lk)
         if mask is None and (not causal or self._causal_mask is None or lq == 1):
             return None  # the common decode step: nothing to check or combine
         m = _masks.as_mask(mask)
         if m is not None:
             m.check((query.shape[0], self.config.num_heads, lq, lk), query.device, dtype=query.dtype)
+            if not _warned_inverted_mask:
+                _warn_if_inverted(mask, lq, lk)
         # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
         if causal and self._causal_mask is not None and (m is not None or lq > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
