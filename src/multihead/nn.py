@@ -33,6 +33,13 @@ Where it differs from ``nn.MultiheadAttention``:
   raises RuntimeError); with ``need_weights=False`` and no ``key_padding_mask`` the attention is
   top-left causal (query i sees keys j <= i, SDPA's ``is_causal``) and ``attn_mask`` is not
   read; otherwise ``attn_mask`` is applied as given. Shapes are checked in both cases.
+* Training with dropout draws the same dropout masks as torch at the same seed on CPU, for the
+  layer alone and inside ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``: the
+  attention dropout over the (N, H, L, S) weights in the same order, and the output in torch's
+  memory layout ((L, N, E) in memory, a transposed view when ``batch_first``), because the
+  layer's next dropout (``dropout1``) draws its mask over that tensor in memory order. On CUDA
+  this is not promised: there torch's SDPA picks a fused kernel with dropout (its own random
+  stream) by its own rules, which multihead's backend choice does not follow.
 * Bad input raises ValueError/TypeError naming the argument where torch raises AssertionError
   or RuntimeError.
 * Inside ``nn.TransformerEncoderLayer`` in inference (eval, autograd off, ``batch_first=True``,
@@ -261,11 +268,14 @@ class MultiheadAttention(nn.Module):
                 weights = weights.mean(dim=1)
         else:
             o = attention(q, k, v, mask, dropout_p=dropout_p)
-        out = F.linear(merge_heads(o), self.out_proj.weight, self.out_proj.bias)
+        # (L, N, E) in memory, as torch lays it out: a dropout after this layer (the encoder
+        # layer's dropout1) draws its mask over the tensor in memory order, so the same seed
+        # gives the same mask only with the same layout
+        out = F.linear(merge_heads(o).transpose(0, 1), self.out_proj.weight, self.out_proj.bias).contiguous()
 
         if not batched:
-            return out.squeeze(0), None if weights is None else weights.squeeze(0)
-        return (out if self.batch_first else out.transpose(0, 1)), weights
+            return out.squeeze(1), None if weights is None else weights.squeeze(0)
+        return (out.transpose(0, 1) if self.batch_first else out), weights
 
     # ------------------------------------------------------------------ the edge
     def _weight(self) -> torch.Tensor:

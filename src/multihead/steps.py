@@ -26,6 +26,8 @@ dim, q query tokens, k key tokens, d_in/d_out/d_kv feature widths.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -192,12 +194,25 @@ class _Values(dict[str, Any]):
         return _Unknown()
 
 
+#: the counted nouns of the English texts, whose plural "s" goes after a count of 1
+_ONE = re.compile(r"(?<![\d.])\b1 ((?:key |query |new |key/value |cached )?(?:sequence|token|head|layer|number|key|"
+                  r"value|panel|tile|feature|call|step)s|(?:key |new )?queries)\b")
+
+
+def singular_ones(text: str) -> str:
+    """English ``text`` with "1 tokens", "1 sequences", "1 key tokens", "1 queries" in the
+    singular; the texts are written with plurals and counts filled in."""
+    return _ONE.sub(lambda m: "1 " + (m.group(1)[:-3] + "y" if m.group(1).endswith("queries") else m.group(1)[:-1]), text)
+
+
 def _text(text: Text, values: Mapping[str, Any], lang: str) -> str:
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {LANGS}, got {lang!r}")
     if callable(text):
-        return text(_Values(values), lang)
-    return text[LANGS.index(lang)].format_map(_Values(values))
+        out = text(_Values(values), lang)
+    else:
+        out = text[LANGS.index(lang)].format_map(_Values(values))
+    return singular_ones(out) if lang == "en" else out
 
 
 def mask_words(kinds: Sequence[str], lang: str, sep: str = " & ") -> str:

@@ -337,6 +337,12 @@ class Trace:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def __repr__(self) -> str:
+        """One line; ``print(trace)`` gives the table of steps."""
+        checks = self.checks
+        return _steps.singular_ones(f"<multihead.Trace: {len(self.steps)} steps in {max(len(self.calls), 1)} calls, "
+                                    f"checks {sum(checks.values())}/{len(checks)} hold; print() for the steps>")
+
     def _repr_html_(self) -> str:
         """Jupyter's inline display: the walkthrough page of this trace in an isolated iframe
         (:mod:`multihead.explain.notebook`, imported only when a notebook asks)."""

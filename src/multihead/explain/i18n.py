@@ -311,7 +311,8 @@ def page_words() -> dict[str, dict[str, str]]:
 def word(key: str, lang: str, **fmt) -> str:
     """A fixed phrase of the walkthrough, formatted with ``fmt``."""
     text = _pick(_WORDS[key], lang)
-    return text.format(**fmt) if fmt else text
+    text = text.format(**fmt) if fmt else text
+    return _steps.singular_ones(text) if lang == "en" else text
 
 
 def step_title(step: Step, lang: str) -> str:

@@ -36,10 +36,8 @@ d the hidden size.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
-import io
 import os
 import threading
 import warnings
@@ -50,10 +48,11 @@ from typing import Any, Callable, Optional, cast
 import torch
 
 from .._numerics import default_scale
+from .._progress import progress
 from . import UsageError
 
 __all__ = ["MODELS", "MAX_TOKENS", "ModelSpec", "ModelError", "ModelInfo", "LayerRecord", "RealRun",
-           "RealModel", "load", "check_name", "kv_groups"]
+           "RealModel", "load", "wrap", "check_name", "kv_groups", "shown", "SPACE"]
 
 #: the longest sentence (in tokens) the views lay out
 MAX_TOKENS = 60
@@ -99,21 +98,15 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _load_smollm2(path: str) -> tuple[Any, Any]:
     """transformers' GGUF reader for the config, the tokenizer and the tensors (dequantized to
-    float32, q/k rows back in transformers' rotate-half order). ``from_pretrained(gguf_file=)``
-    would do the same but also asks for ``accelerate``; the model is built without its random
-    initialisation, since every tensor is then loaded (strict)."""
+    float32, q/k rows back in transformers' rotate-half order), through the integration's
+    :func:`~multihead.integrations.transformers.from_gguf` (``from_pretrained(gguf_file=)`` would
+    do the same but also asks for ``accelerate``)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from ..integrations.transformers import from_gguf
     config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    with no_init_weights():
-        net = cast(Any, AutoModel).from_config(config, attn_implementation=_NAME)
-    with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bar (tqdm, on stderr)
-        tensors = cast(Any, load_gguf_checkpoint)(os.path.join(path, SMOLLM2_GGUF), return_tensors=True,
-                                       model_to_load=net)["tensors"]
-    net.load_state_dict(tensors, strict=True)
-    return tokenizer, net
+    return tokenizer, from_gguf(AutoModel, config, os.path.join(path, SMOLLM2_GGUF), attn_implementation=_NAME)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -148,6 +141,16 @@ def _missing(model: str) -> list[str]:
     return [pkg for mod, pkg in needed if importlib.util.find_spec(mod) is None]
 
 
+#: what a token's leading space is drawn as
+SPACE = "␣"
+
+
+def shown(token: str) -> str:
+    """``token`` as the views print it: the space markers of byte-level BPE (GPT-2, Llama 3,
+    SmolLM2: ``Ġ``) and SentencePiece (``▁``) drawn as a visible space, ``␣``."""
+    return token.replace("Ġ", SPACE).replace("▁", SPACE)
+
+
 # ---------------------------------------------------------------------------- records
 def kv_groups(heads: int, kv_heads: int) -> tuple[tuple[int, ...], ...]:
     """The query heads reading each key/value head: query head i reads kv head i // (H // Hkv)."""
@@ -179,7 +182,7 @@ class ModelInfo:
         return kv_groups(self.heads, self.kv_heads)
 
 
-@dataclass
+@dataclass(repr=False)
 class LayerRecord:
     """One attention layer on the sentence, as the model ran it (batch 1 dropped).
 
@@ -216,6 +219,10 @@ class LayerRecord:
     module: Any = field(default=None, repr=False)
     module_bias: bool = False   # whether the layer's projections have biases
 
+    def __repr__(self) -> str:
+        return (f"<LayerRecord: q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, "
+                f"weights {tuple(self.weights.shape)}, scale {self.scale:.4g}>")
+
     @property
     def causal(self) -> bool:
         L = self.keep.shape[-1]
@@ -223,7 +230,7 @@ class LayerRecord:
         return bool(L > 1 and (self.keep == tril).all())
 
 
-@dataclass
+@dataclass(repr=False)
 class RealRun:
     """A sentence through a model: its L tokens and one :class:`LayerRecord` per layer; ``net``
     is the transformers model that ran."""
@@ -234,6 +241,10 @@ class RealRun:
     ids: list[int]
     layers: list[LayerRecord]
     net: Any = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (f"<RealRun: {self.info.title}, {len(self.tokens)} tokens, {len(self.layers)} layers x "
+                f"{self.info.heads} heads; .tokens, .weights (layers, H, L, L), .layers[i]>")
 
     @property
     def weights(self) -> torch.Tensor:
@@ -381,7 +392,8 @@ class RealModel:
         self.info = ModelInfo(name, title, layers, heads, kv, head_dim, hidden, rope, family)
 
     def tokenize(self, text: str) -> tuple[list[str], torch.Tensor]:
-        """``(tokens, ids (1, L))`` of ``text``; ValueError for an empty or too long text."""
+        """``(tokens, ids (1, L))`` of ``text``, the tokens as the views print them (:func:`shown`);
+        ValueError for an empty or too long text."""
         if not isinstance(text, str) or not text.strip():
             raise ModelError('--text is empty; give a sentence, e.g. --text "The cat sat on the mat"')
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
@@ -391,7 +403,7 @@ class RealModel:
                              "use a shorter sentence")
         if L < 2:
             raise ModelError(f"--text gives {L} token for {self.title}; give a sentence of at least two tokens")
-        return self.tokenizer.convert_ids_to_tokens(ids[0].tolist()), ids
+        return [shown(t) for t in self.tokenizer.convert_ids_to_tokens(ids[0].tolist())], ids
 
     def run(self, text: str) -> RealRun:
         """``text`` through the model, every layer recorded (:class:`RealRun`)."""
@@ -408,6 +420,7 @@ class RealModel:
         rec: dict[str, Any] = {"calls": [], "inputs": {}}
         hooks = _hook_inputs(rec, self.net)
         _state.rec = rec
+        switched = self._switch_attention()
         try:
             with torch.no_grad():
                 self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
@@ -418,6 +431,8 @@ class RealModel:
             _state.rec = None
             for h in hooks:
                 h.remove()
+            if switched is not None:
+                self.net.set_attn_implementation(switched)
         calls = rec["calls"]
         if len(calls) != self.info.layers:
             raise ModelError(
@@ -431,6 +446,15 @@ class RealModel:
             hidden, pos = rec["inputs"].get(id(module), (None, None))
             records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
         return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
+
+    def _switch_attention(self) -> Optional[str]:
+        """A user's model (:func:`wrap`) runs on the recording attention for the run: the
+        implementation it had, to restore, or None when it already runs on it."""
+        current = getattr(self.net.config, "_attn_implementation", None)
+        if current == _NAME:
+            return None
+        self.net.set_attn_implementation(_NAME)
+        return cast(Optional[str], current)
 
     def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
                 out_proj: Any) -> LayerRecord:
@@ -476,6 +500,11 @@ def _open(model: str) -> RealModel:
 
     _register()
     cast(Any, hf_logging).disable_progress_bar()
+    with progress(f"loading {MODELS[model].title if model in MODELS else Path(model).name}"):
+        return _open_model(model)
+
+
+def _open_model(model: str) -> RealModel:
     try:
         if model in MODELS:
             spec = MODELS[model]
@@ -516,6 +545,27 @@ def _open(model: str) -> RealModel:
         # transformers refuses a custom attention implementation for models without the interface
         raise ModelError(f"--model {model}: its attention cannot run through multihead "
                          f"({str(e).splitlines()[0][:160]})") from None
+
+
+def wrap(net: Any, tokenizer: Any, name: Optional[str] = None) -> RealModel:
+    """A :class:`RealModel` of a transformers model and its tokenizer the caller has loaded (any
+    attention implementation: each :meth:`RealModel.run` switches the model to multihead's
+    recording attention and back, in eval mode).
+
+    Raises:
+        TypeError: ``net`` is not a transformers model (an ``nn.Module`` with a ``config``) or
+            ``tokenizer`` is not callable.
+    """
+    if not isinstance(net, torch.nn.Module) or getattr(net, "config", None) is None \
+            or not hasattr(net, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers model (e.g. AutoModel.from_pretrained(...)), "
+                        f"got {type(net).__name__}; or pass a name: {', '.join(MODELS)}, or a directory")
+    if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise TypeError(f"tokenizer must be the model's transformers tokenizer (AutoTokenizer.from_pretrained), "
+                        f"got {type(tokenizer).__name__}")
+    _register()
+    title = name or getattr(net.config, "name_or_path", "") or type(net).__name__
+    return RealModel(title, os.path.basename(str(title).rstrip("/")) or type(net).__name__, tokenizer, net)
 
 
 @functools.lru_cache(maxsize=None)

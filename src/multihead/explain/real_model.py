@@ -27,13 +27,14 @@ from __future__ import annotations
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .. import steps
 from .._numerics import is_default_scale
 from ..trace import Trace
+from .._progress import progress
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
@@ -55,6 +56,8 @@ __all__ = [
     "run_visual",
     "ModelPage",
     "explain_model",
+    "AttentionsPage",
+    "explain_attentions",
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
@@ -229,7 +232,8 @@ def _real(args) -> RealRun:
                                      ("--head", args.head, model.info.heads, "heads")):
         if value is not None and not 0 <= value < count:
             raise UsageError(f"{flag} {value} is out of range: {model.title} has {what} 0-{count - 1}")
-    real = model.run(text)
+    with progress(f"running {model.title}"):
+        real = model.run(text)
     real.check_indices(token=getattr(args, "token", None))
     return real
 
@@ -513,12 +517,17 @@ def run_visual(args, stdout) -> int:
         raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
                          "drop --format or add --neuron")
     real = _real(args)
-    maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
-                                               neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
-    return visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head, fragments=fragments)
+    with progress(f"drawing {real.info.title}'s {args.format}", total=2) as bar:
+        maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
+                                                   neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
+        bar.update()
+        written = visual.write(args, out, None, maps, stdout, group="layer", start=layer, head=head,
+                               fragments=fragments)
+        bar.update()
+    return written
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ModelPage:
     """A real model's explain page, for Python and notebooks (:func:`explain_model`).
 
@@ -540,14 +549,24 @@ class ModelPage:
 
         return iframe(self.page, title=f"multihead: {self.run.info.title}")
 
+    def __repr__(self) -> str:
+        """One line (the page itself is about a megabyte for a 30-layer model)."""
+        info = self.run.info
+        return (f"<multihead.ModelPage: {info.title}, {info.layers} layers x {info.heads} heads, "
+                f"{len(self.run.tokens)} tokens, a {len(self.page) // 1000:,} kB page; .html(), .run>")
 
-def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
+
+def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
                   head: Optional[int] = None, neuron: bool = False, token: Optional[int] = None,
                   lang: str = "en") -> ModelPage:
-    """``model`` (``"minilm"``, ``"smollm2"`` or a directory transformers loads) on ``text``, as
-    the page ``multihead explain --model`` draws: every layer x head, the worked score on hover,
-    and with ``neuron=True`` the neuron view of ``layer``/``head`` (default 0) and ``token``
-    (default the last) as a section.
+    """``model`` on ``text``, as the page ``multihead explain --model`` draws: every layer x head,
+    the worked score on hover, and with ``neuron=True`` the neuron view of ``layer``/``head``
+    (default 0) and ``token`` (default the last) as a section.
+
+    ``model``: ``"minilm"``, ``"smollm2"``, a directory transformers loads, or a
+    ``(model, tokenizer)`` pair already loaded (e.g. by
+    :func:`multihead.integrations.transformers.load`; run in eval mode on multihead's recording
+    attention, its own attention implementation restored afterwards).
 
     Raises:
         ValueError: unknown model, empty or too long text, an index out of range, an unknown lang.
@@ -562,7 +581,14 @@ def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
         raise TypeError(f"neuron must be True or False, got {type(neuron).__name__}")
     if token is not None and not neuron:
         raise ValueError("token picks the query of the neuron view: pass neuron=True with it")
-    loaded = _models.load(model)
+    if isinstance(model, tuple) and len(model) == 2:
+        loaded = _models.wrap(*model)
+        model = loaded.name
+    elif isinstance(model, str):
+        loaded = _models.load(model)
+    else:
+        raise TypeError(f"model must be a name ({', '.join(_models.MODELS)}), a directory, or a (model, tokenizer) "
+                        f"pair, got {type(model).__name__}")
     loaded.tokenize(text)  # a too long text is refused before the forward pass
     for name, value, count, what in (("layer", layer, loaded.info.layers, "layers"),
                                      ("head", head, loaded.info.heads, "heads")):
@@ -572,8 +598,80 @@ def explain_model(model: str, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= value < count:
             raise ValueError(f"{name} {value} is out of range: {loaded.title} has {what} 0-{count - 1}")
-    real = loaded.run(text)
-    maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
-                                                token=token, lang=lang)
-    page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+    with progress(f"explaining {loaded.title}", total=3) as bar:
+        real = loaded.run(text)
+        bar.update(note="maps")
+        maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
+                                                    token=token, lang=lang)
+        bar.update(note="page")
+        page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+        bar.update()
     return ModelPage(real, page)
+
+
+@dataclass(frozen=True, repr=False)
+class AttentionsPage:
+    """The page of attention weights some model computed (:func:`explain_attentions`): every
+    layer x head with its pattern label, without the worked scores (weights carry no q and k)."""
+
+    tokens: tuple[str, ...]
+    weights: torch.Tensor   # (layers, H, L, L)
+    page: str
+
+    def html(self) -> str:
+        """The page, to write to a file."""
+        return self.page
+
+    def _repr_html_(self) -> str:
+        from .notebook import iframe
+
+        return iframe(self.page, title="multihead: attention weights")
+
+    def __repr__(self) -> str:
+        layers, heads, L = self.weights.shape[:3]
+        return (f"<multihead.AttentionsPage: {layers} layers x {heads} heads, {L} tokens, "
+                f"a {len(self.page) // 1000:,} kB page; .html()>")
+
+
+def explain_attentions(attentions: Any, tokens: Sequence[str], *, title: str = "attention",
+                       layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> AttentionsPage:
+    """The page of ``outputs.attentions`` (a transformers model run with ``output_attentions=True``,
+    any attention implementation) for ``tokens``, as bertviz's ``head_view(attention, tokens)``
+    takes them: every layer x head, labelled with its pattern.
+
+    Args:
+        attentions: one (1, H, L, L) tensor per layer (``outputs.attentions``), or a
+            (layers, H, L, L) tensor; batch element 0 is shown.
+        tokens: the L tokens (``tokenizer.convert_ids_to_tokens(ids[0])``); space markers are
+            drawn as ``␣``.
+        layer, head: shown first (default: the layer with the most labelled heads, head 0).
+
+    A key whose weight is 0 in every row of a head is still drawn as visible: the weights do not
+    say what the mask was (explain_model, which records the mask, does).
+    """
+    from . import visual
+
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
+    if isinstance(attentions, (list, tuple)):
+        if not attentions or not all(isinstance(a, torch.Tensor) and a.dim() == 4 for a in attentions):
+            raise TypeError("attentions must be outputs.attentions: a tuple of (B, H, L, L) tensors, one per layer")
+        weights = torch.stack([a[0] for a in attentions])
+    elif isinstance(attentions, torch.Tensor) and attentions.dim() == 4:
+        weights = attentions
+    else:
+        raise TypeError(f"attentions must be outputs.attentions (a tuple of (B, H, L, L) tensors) or a "
+                        f"(layers, H, L, L) tensor, got {type(attentions).__name__}")
+    weights = weights.detach().float().cpu()
+    L = weights.shape[-1]
+    tokens = [_models.shown(str(t)) for t in tokens]
+    if weights.shape[-2] != L or len(tokens) != L:
+        raise ValueError(f"attentions are {tuple(weights.shape[-2:])} per head but tokens has {len(tokens)}; "
+                         "pass the tokens of the same input")
+    for name, value, count in (("layer", layer, weights.shape[0]), ("head", head, weights.shape[1])):
+        if value is not None and not (isinstance(value, int) and 0 <= value < count):
+            raise ValueError(f"{name} {value!r} is out of range: the attentions have {count} {name}s (0-{count - 1})")
+    maps = layer_maps(tokens, weights, model=title, lang=lang, title=title)
+    start = default_layer(label_heads(pattern_scores(weights, None))) if layer is None else layer
+    page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=_or(head, 0))
+    return AttentionsPage(tuple(tokens), weights, page)

@@ -2,9 +2,26 @@
 
 ::
 
-    from multihead.integrations.transformers import register
-    register()                                            # once per process
+    from multihead.integrations.transformers import load
+    model, tokenizer = load("path/to/model")              # a directory saved with save_pretrained
+    model, tokenizer = load(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")   # a GGUF file
+
+:func:`load` returns the model (a ``...ForCausalLM`` when the checkpoint is a causal LM, so
+``model.generate`` works; else the ``AutoModel``) in eval mode with every attention layer
+computed by :func:`multihead.attention`, and its tokenizer. Nothing is downloaded. A GGUF file is
+read and de-quantised by transformers' own GGUF reader (the ``gguf`` package, in the ``hf``
+extra); ``from_pretrained(gguf_file=...)`` would read it the same way but also asks for
+``accelerate``, which this path does not need. Loading reports progress on stderr in a terminal
+(`multihead._progress`).
+
+Importing this module registers the attention under the name ``"multihead"`` (when transformers
+is installed), so the transformers way works too::
+
+    import multihead.integrations.transformers            # registers "multihead"
     model = AutoModel.from_pretrained(path, attn_implementation="multihead")
+
+(Without that import transformers refuses ``attn_implementation="multihead"`` with its own list
+of implementations.) ``register()`` does it again, e.g. under another name or with a backend.
 
 ``register()`` adds two entries named ``"multihead"``:
 
@@ -42,17 +59,21 @@ and a causal mask has them on its padding positions only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Optional
+import importlib.util
+import os
+from typing import Any, Iterable, Optional
 
 import torch
 
 from ..backends import BackendName
 from .. import masks as _masks
 from ..trace import current as _current_trace
+from .._progress import Progress, progress
 from ..functional import attention, attention_with_weights
 
-__all__ = ["NAME", "register", "attention_forward", "to_mask"]
+__all__ = ["NAME", "register", "attention_forward", "to_mask", "load", "from_gguf"]
 
 NAME = "multihead"
 
@@ -200,3 +221,185 @@ def attention_forward(
     if tr is not None:
         tr.leave()
     return out.transpose(1, 2).contiguous(), weights
+
+
+# ---------------------------------------------------------------------------- the front door
+def _require(module: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f'{why} needs the package {module}, which is not installed: pip install "multihead[hf]"')
+
+
+def _check_load_args(path: object, gguf_file: object) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a directory (str or os.PathLike), got {type(path).__name__}")
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise ValueError(f"path {folder!r} is not a directory; multihead's load reads a folder saved with "
+                         "model.save_pretrained(...) (and its tokenizer), or the folder holding gguf_file; "
+                         "nothing is downloaded")
+    if gguf_file is not None:
+        if not isinstance(gguf_file, str):
+            raise TypeError(f"gguf_file must be a file name in {folder!r}, got {type(gguf_file).__name__}")
+        if not os.path.isfile(os.path.join(folder, gguf_file)):
+            found = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+            raise ValueError(f"gguf_file {gguf_file!r} is not in {folder!r} (GGUF files there: "
+                             f"{', '.join(found) or 'none'})")
+    elif not os.path.isfile(os.path.join(folder, "config.json")):
+        ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+        hint = f"; for a GGUF file pass gguf_file={ggufs[0]!r}" if ggufs else ""
+        raise ValueError(f"path {folder!r} has no config.json; save the model with save_pretrained{hint}")
+    return folder
+
+
+def _dtype_keyword() -> str:
+    """``from_pretrained``'s name for the dtype: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _model_class(config: Any) -> Any:
+    """AutoModelForCausalLM for a causal LM (by the config's architectures, or, when it names none
+    as a GGUF file's config does, by whether transformers has a causal LM for its model type),
+    else AutoModel."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    archs = getattr(config, "architectures", None) or []
+    causal_lm = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
+    if not archs:
+        causal_lm = type(config) in AutoModelForCausalLM._model_mapping and not getattr(config, "is_encoder_decoder", False)
+    return AutoModelForCausalLM if causal_lm else AutoModel
+
+
+def _check_backend_compatible(cls: Any, config: Any, folder: str) -> None:
+    mapping = cls._model_mapping
+    if type(config) not in mapping:
+        raise ValueError(f"{folder!r}: transformers has no {cls.__name__} for model_type "
+                         f"{getattr(config, 'model_type', '?')!r}")
+    model_cls = mapping[type(config)]
+    if not model_cls.is_backend_compatible():
+        raise ValueError(f"{folder!r}: {model_cls.__name__}'s attention cannot run on multihead: it does not call "
+                         "transformers' AttentionInterface (BERT-, Llama-, GPT-2-style models do)")
+
+
+def load(path: "str | os.PathLike[str]", gguf_file: Optional[str] = None, *, backend: BackendName = "auto",
+         dtype: Optional[torch.dtype] = None, model_class: Any = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a local checkpoint, with every attention layer on multihead.
+
+    >>> model, tokenizer = load(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+    >>> ids = tokenizer("The capital of France is", return_tensors="pt")               # doctest: +SKIP
+    >>> tokenizer.decode(model.generate(**ids, max_new_tokens=5, do_sample=False)[0])  # doctest: +SKIP
+
+    Args:
+        path: a directory saved with ``save_pretrained`` (config.json, weights, tokenizer), or
+            the folder holding ``gguf_file``.
+        gguf_file: a GGUF file's name in ``path`` (llama.cpp's format; config, tokenizer and
+            quantised tensors in one file, de-quantised to float32 here).
+        backend: the multihead backend of calls without ``output_attentions`` (see
+            :func:`register`).
+        dtype: the parameters' dtype (default: the checkpoint's; float32 for GGUF).
+        model_class: a transformers auto class or model class (default: ``AutoModelForCausalLM``
+            for a causal LM, else ``AutoModel``).
+
+    Returns:
+        the model in eval mode (``model.config._attn_implementation == "multihead"``) and its
+        tokenizer.
+
+    Raises:
+        ImportError: transformers, tokenizers or (for a GGUF file) gguf is missing; the message
+            names ``pip install "multihead[hf]"``.
+        ValueError / TypeError: a path that is not a checkpoint directory, a ``gguf_file`` not
+            there, a model whose attention does not go through transformers' AttentionInterface.
+    """
+    folder = _check_load_args(path, gguf_file)
+    _require("transformers", "multihead's load")
+    _require("tokenizers", "multihead's load")
+    if gguf_file is not None:
+        _require("gguf", f"reading {gguf_file}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    register(backend=backend)
+    name = gguf_file or os.path.basename(os.path.normpath(folder))
+    source = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    with progress(f"loading {name}", total=4) as bar:
+        bar.update(note="config")
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **source)
+        cls = model_class or _model_class(config)
+        if hasattr(cls, "_model_mapping"):
+            _check_backend_compatible(cls, config, folder)
+        bar.update(note="tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **source)
+        bar.update(note="weights")
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()   # ours is the one bar
+        try:
+            if gguf_file is None:
+                model = cls.from_pretrained(folder, local_files_only=True, attn_implementation=NAME,
+                                            **({_dtype_keyword(): dtype} if dtype is not None else {}))
+            else:
+                model = from_gguf(cls, config, os.path.join(folder, gguf_file), bar=bar)
+                if dtype is not None:
+                    model = model.to(dtype)
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+        bar.update()
+    return model.eval(), tokenizer
+
+
+def from_gguf(cls: Any, config: Any, file: str, *, attn_implementation: str = NAME,
+              bar: Optional[Progress] = None) -> Any:
+    """A model of ``cls`` (an auto class or a model class) built from ``config`` (read from the
+    GGUF ``file`` with ``AutoConfig.from_pretrained(folder, gguf_file=...)``) without random
+    initialisation, holding the file's tensors: transformers' reader de-quantises them (to
+    float32) and puts llama.cpp's q/k rows back in rotate-half order; tied weights (an LM head
+    sharing the embedding) are tied again. Progress goes to ``bar``, or to a bar of its own."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = cls.from_config(config, attn_implementation=attn_implementation)
+    with contextlib.ExitStack() as stack:
+        if bar is None:   # its own bar, or a note on the bar of a task around it
+            bar = stack.enter_context(progress(f"reading {os.path.basename(file)}"))
+        stack.enter_context(_reporting_tensors(gguf_utils, bar))
+        tensors = gguf_utils.load_gguf_checkpoint(file, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)
+            if any(p is q for n, q in model.named_parameters() if n != name)}
+    untied = [m for m in missing if m not in tied]
+    if untied or unexpected:
+        raise ValueError(f"{os.path.basename(file)} does not fit {type(model).__name__}: missing {untied[:5]}, "
+                         f"unexpected {list(unexpected)[:5]}")
+    return model
+
+
+@contextlib.contextmanager
+def _reporting_tensors(gguf_utils: Any, bar: Progress) -> Any:
+    """transformers' GGUF reader loops over the tensors under its own ``tqdm``; while it runs, that
+    name counts them into ``bar`` instead (nothing is changed when the reader has no such name)."""
+    if not hasattr(gguf_utils, "tqdm"):
+        yield
+        return
+
+    def counted(items: Iterable[Any], *args: Any, **kwargs: Any) -> Any:
+        items = list(items)
+        for i, item in enumerate(items):
+            yield item
+            bar.update(0, note=f"de-quantising {i + 1}/{len(items)}")
+
+    saved = gguf_utils.tqdm
+    gguf_utils.tqdm = counted
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = saved
+
+
+if importlib.util.find_spec("transformers") is not None:
+    register()
