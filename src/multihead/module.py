@@ -84,7 +84,7 @@ from .backends import BackendName
 from .cache import KVCache
 from .config import AttentionConfig, _resolved
 from .heads import _merge_heads, _split_heads
-from .rope import RoPE, RoPEScaling, rotate_half
+from .rope import RoPE, RoPEScaling
 from . import hf as _hf, interop as _interop, per_head as _per_head
 
 __all__ = ["MultiHeadAttention"]
@@ -100,7 +100,7 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     cos, sin = cos[positions], sin[positions]  # (L, D) or (B, L, D)
     if positions.dim() == 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
-    return x * cos + rotate_half(x) * sin
+    return rope.rotate(x, cos, sin)
 
 
 def _linear(lin: nn.Module, x: torch.Tensor, plain: bool) -> torch.Tensor:
@@ -156,6 +156,9 @@ class MultiHeadAttention(nn.Module):
         rope_scaling: a `multihead.rope.RoPEScaling` rule for the RoPE frequencies
             (linear or llama3), or None. With ``rope`` a RoPE object, its base and scaling are
             used, and ``rope_base``/``rope_scaling`` must be left out or agree with them.
+        rope_interleaved, rope_dim: GPT-J's interleaved layout; rotate only the first
+            ``rope_dim`` coordinates of each head (GPT-NeoX, Phi). With ``rope`` a RoPE object,
+            its own layout is used.
         device: of the projections' parameters.
         dtype: of the projections' parameters.
 
@@ -183,6 +186,8 @@ class MultiHeadAttention(nn.Module):
         rope: Union[bool, RoPE] = False,
         rope_base: float = 10000.0,
         rope_scaling: Optional[RoPEScaling] = None,
+        rope_interleaved: bool = False,
+        rope_dim: Optional[int] = None,
         device: Device = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -191,12 +196,14 @@ class MultiHeadAttention(nn.Module):
         if isinstance(rope, RoPE):
             rope_obj, rope_flag = rope, True
             rope_base, rope_scaling = _settings_of(rope, rope_base, rope_scaling)
+            rope_interleaved, rope_dim = rope.interleaved, (None if rope.rotary_dim == rope.head_dim else rope.rotary_dim)
         else:
             rope_flag = rope  # AttentionConfig checks it is True or False
         cfg = AttentionConfig(
             d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, kdim=kdim,
             vdim=vdim, bias=bias, dropout=dropout, causal=causal, backend=backend,
             rope=rope_flag, rope_base=rope_base, rope_scaling=rope_scaling,
+            rope_interleaved=rope_interleaved, rope_dim=rope_dim,
         )
         if rope_obj is not None and rope_obj.head_dim != cfg.head_dim:
             raise ValueError(
@@ -205,7 +212,8 @@ class MultiHeadAttention(nn.Module):
             )
         self.config = cfg
         if rope_obj is None and cfg.rope:
-            rope_obj = RoPE(cfg.head_dim, cfg.rope_base, scaling=cfg.rope_scaling)
+            rope_obj = RoPE(cfg.head_dim, cfg.rope_base, scaling=cfg.rope_scaling,
+                            interleaved=cfg.rope_interleaved, rotary_dim=cfg.rope_dim)
         self.rope = rope_obj
         factory = {"device": device, "dtype": dtype}
         d_out = _resolved(cfg.d_out)
