@@ -156,9 +156,10 @@ class MultiHeadAttention(nn.Module):
         rope_scaling: a `multihead.rope.RoPEScaling` rule for the RoPE frequencies
             (linear or llama3), or None. With ``rope`` a RoPE object, its base and scaling are
             used, and ``rope_base``/``rope_scaling`` must be left out or agree with them.
-        rope_interleaved, rope_dim: GPT-J's interleaved layout; rotate only the first
-            ``rope_dim`` coordinates of each head (GPT-NeoX, Phi). With ``rope`` a RoPE object,
-            its own layout is used.
+        rope_interleaved: GPT-J's interleaved layout (pairs 2i, 2i+1). With ``rope`` a RoPE
+            object, its own layout is used.
+        rope_dim: rotate only the first ``rope_dim`` coordinates of each head (GPT-NeoX, Phi);
+            None: all of them.
         device: of the projections' parameters.
         dtype: of the projections' parameters.
 

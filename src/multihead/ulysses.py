@@ -176,7 +176,8 @@ def ulysses_attention(
 
     Args:
         q: (B, H, n, D), this rank's tokens (n may differ between ranks with the contiguous layout).
-        k, v: (B, Hkv, n, D), (B, Hkv, n, Dv), the same tokens' keys and values.
+        k: (B, Hkv, n, D), the same tokens' keys.
+        v: (B, Hkv, n, Dv), their values.
         mask: a `multihead.masks` mask of the whole sequence (see the module docstring); key
             padding and document ids as this rank's (B, n) / (B|1, n) shards.
         scale: multiplies q·kᵀ; default 1/√D.
