@@ -45,7 +45,7 @@ from __future__ import annotations
 import datetime
 import numbers
 import struct
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,8 @@ from .backends import chunked as _chunked
 
 __all__ = [
     "LAYOUTS",
+    "DocumentLayout",
+    "rank_work",
     "RingError",
     "ring_attention",
     "shard_sequence",
@@ -79,10 +81,109 @@ class RingError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- layouts
-def _check_layout(layout, name: str = "layout") -> str:
+class DocumentLayout:
+    """Packed documents split so that causal work is balanced: each document of n tokens (n a
+    multiple of P) is cut into 2P chunks, and rank r holds chunks r and 2P-1-r of every document
+    (zigzag inside each document), chunk sizes a = n/P // 2 (chunks 0 .. P-1) and n/P - a (the
+    rest). Every rank holds n/P tokens of every document, and under a causal mask inside the
+    documents (``masks.documents(ids) & masks.causal()``) each rank's queries see nearly the
+    same number of keys (`rank_work`), where a contiguous split of the packed sequence gives the
+    rank holding a long document's end most of the work.
+
+    >>> from multihead.distributed import DocumentLayout, rank_work
+    >>> layout = DocumentLayout([8, 4, 12])
+    >>> layout.segments(0, 2)                   # (local start, global start, length)
+    [(0, 0, 2), (2, 6, 2), (4, 8, 1), (5, 11, 1), (6, 12, 3), (9, 21, 3)]
+    >>> rank_work(layout, 2), rank_work("contiguous", 2, seq_len=24, documents=[8, 4, 12])
+    ([62, 62], [46, 78])
+
+    Pass it as ``layout=`` to `shard_sequence`, `unshard_sequence`, `shard_positions` and
+    `ring_attention` (with ``masks.documents(ids_shard)``; ids_shard = ``shard_sequence(ids,
+    rank, P, layout, dim=-1)``).
+    """
+
+    def __init__(self, lengths: "Sequence[int]"):
+        got = [int(n) for n in lengths]
+        if not got or any(n < 1 for n in got):
+            raise ValueError(f"DocumentLayout takes the packed documents' lengths (each >= 1), got {list(lengths)}")
+        self.lengths = tuple(got)
+
+    def __repr__(self) -> str:
+        return f"DocumentLayout({list(self.lengths)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DocumentLayout) and other.lengths == self.lengths
+
+    def __hash__(self) -> int:
+        return hash(self.lengths)
+
+    def code(self) -> int:
+        """A number that differs between layouts of different lengths (for the ranks' agreement)."""
+        import zlib
+        return 2 + zlib.crc32(repr(self.lengths).encode())
+
+    def check(self, world_size: int) -> None:
+        bad = [n for n in self.lengths if n % world_size]
+        if bad:
+            raise ValueError(f"DocumentLayout over P={world_size} ranks needs every document's length to be a multiple of "
+                             f"P (each rank holds n/P tokens of each), got {bad}; pad the documents")
+
+    def segments(self, rank: int, world_size: int) -> list[tuple[int, int, int]]:
+        """Rank ``rank``'s pieces: ``(local start, global start, length)`` each."""
+        self.check(world_size)
+        out, local, start = [], 0, 0
+        for n in self.lengths:
+            a = n // world_size // 2
+            sizes = [a] * world_size + [n // world_size - a] * world_size
+            starts = [start + sum(sizes[:j]) for j in range(2 * world_size)]
+            for j in (rank, 2 * world_size - 1 - rank):
+                if sizes[j]:
+                    out.append((local, starts[j], sizes[j]))
+                    local += sizes[j]
+            start += n
+        return out
+
+
+def rank_work(layout, world_size: int, *, seq_len: Optional[int] = None, documents=None) -> list[int]:
+    """Visible (query, key) score pairs of each rank's queries under causal attention inside the
+    documents (one document of ``seq_len`` tokens without ``documents``): query t of a document
+    sees t + 1 keys. ``layout``: a `DocumentLayout`, or "contiguous"/"zigzag" of a packed
+    sequence of ``seq_len`` tokens holding ``documents`` (lengths)."""
+    if isinstance(layout, DocumentLayout):
+        docs = list(layout.lengths)
+        total = sum(docs)
+    else:
+        _check_layout(layout)
+        if seq_len is None:
+            raise ValueError("rank_work of a contiguous or zigzag layout needs seq_len")
+        docs = [seq_len] if documents is None else [int(n) for n in documents]
+        total = seq_len
+    within = torch.cat([torch.arange(n) for n in docs]) + 1  # (L,): keys each query sees
+    if within.numel() != total:
+        raise ValueError(f"the documents' lengths sum to {within.numel()} but seq_len={total}")
+    out = []
+    for r in range(world_size):
+        if isinstance(layout, DocumentLayout):
+            segs = [(g, n) for _, g, n in layout.segments(r, world_size)]
+        else:
+            segs = [(g, n) for _, g, n in _segments(r, world_size, total // world_size, layout)]
+        out.append(sum(int(within[g:g + n].sum()) for g, n in segs))
+    return out
+
+
+def _check_layout(layout, name: str = "layout"):
+    if isinstance(layout, DocumentLayout):
+        return layout
     if layout not in LAYOUTS:
-        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{name} must be one of {LAYOUTS} or a DocumentLayout, got {layout!r}")
     return layout
+
+
+def _pieces_of(layout, rank: int, world_size: int, local_len: int) -> list[tuple[int, int, int]]:
+    """The segments of any layout."""
+    if isinstance(layout, DocumentLayout):
+        return layout.segments(rank, world_size)
+    return _segments(rank, world_size, local_len, layout)
 
 
 def _check_rank(rank, world_size) -> tuple[int, int]:
@@ -121,6 +222,10 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str = "c
     rank, world_size = _check_rank(rank, world_size)
     _check_layout(layout)
     n = x.shape[dim]
+    if isinstance(layout, DocumentLayout):
+        if n != sum(layout.lengths):
+            raise ValueError(f"x has {n} tokens on dim {dim} but the layout's documents sum to {sum(layout.lengths)}")
+        return torch.cat([x.narrow(dim, g, m) for _, g, m in layout.segments(rank, world_size)], dim)
     pieces = world_size * _chunks_per_rank(layout)
     if n % pieces:
         raise ValueError(
@@ -141,6 +246,10 @@ def unshard_sequence(shards, layout: str = "contiguous", *, dim: int = -2) -> to
         raise TypeError("shards must be a non-empty list of tensors, one per rank in rank order")
     if layout == "contiguous":
         return torch.cat(list(shards), dim)
+    if isinstance(layout, DocumentLayout):
+        P = len(shards)
+        placed = sorted((g, r, local, m) for r in range(P) for local, g, m in layout.segments(r, P))
+        return torch.cat([shards[r].narrow(dim, local, m) for _, r, local, m in placed], dim)
     for r, s in enumerate(shards):
         if s.shape[dim] % 2:
             raise ValueError(
@@ -160,6 +269,8 @@ def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "con
     """
     rank, world_size = _check_rank(rank, world_size)
     _check_layout(layout)
+    if isinstance(layout, DocumentLayout):
+        return torch.cat([torch.arange(g, g + n, device=device) for _, g, n in layout.segments(rank, world_size)])
     pieces = world_size * _chunks_per_rank(layout)
     given: object = seq_len  # checked as the user may pass anything
     if isinstance(given, bool) or not isinstance(given, numbers.Integral) or int(given) % pieces:
@@ -320,7 +431,8 @@ _FIELDS = (
      "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding), "
      "and masks.documents(ids) likewise"),
     ("causal", lambda c: str(bool(c)), "pass the same causal= on every rank (mask=masks.causal() counts as causal=True)"),
-    ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]), "pass the layout the shards were cut with, the same on every rank"),
+    ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]) if c < len(LAYOUTS) else f"DocumentLayout #{c:x}",
+     "pass the layout the shards were cut with, the same on every rank (a DocumentLayout of the same lengths)"),
     ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
     ("autograd", lambda c: ("does not record the graph", "records the graph")[c], "backward is a ring too, so every rank or none must record the graph: run every rank in the same grad mode, with the same inputs requiring grad"),
 )
@@ -334,7 +446,8 @@ def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> 
         _FORMAT, _PASSES.index(phase), B, H, k.shape[1], k.shape[2], D, v.shape[-1],
         _DTYPES.index(q.dtype), _pack_name(q.device.type), int(keep is not None) | (2 if spec.ids is not None else 0),
         spec.causal,
-        LAYOUTS.index(spec.layout) if spec.causal else -1, _float_bits(spec.scale), records_graph,
+        (spec.layout.code() if isinstance(spec.layout, DocumentLayout) else LAYOUTS.index(spec.layout))
+        if spec.causal else -1, _float_bits(spec.scale), records_graph,
     ]
 
 
@@ -499,7 +612,7 @@ class _Spec:
     def segments(self, owner: int, local_len: int):
         if not self.causal:
             return [(0, 0, local_len)]
-        return _segments(owner, self.ring.size, local_len, self.layout)
+        return _pieces_of(self.layout, owner, self.ring.size, local_len)
 
 
 class _RingAttention(torch.autograd.Function):
