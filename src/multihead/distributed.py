@@ -45,6 +45,7 @@ from __future__ import annotations
 import datetime
 import numbers
 import struct
+import zlib
 from typing import Optional, Sequence
 
 import torch
@@ -63,6 +64,7 @@ __all__ = [
     "DocumentLayout",
     "rank_work",
     "RingError",
+    "mask_signature",
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",
@@ -119,7 +121,6 @@ class DocumentLayout:
 
     def code(self) -> int:
         """A number that differs between layouts of different lengths (for the ranks' agreement)."""
-        import zlib
         return 2 + zlib.crc32(repr(self.lengths).encode())
 
     def check(self, world_size: int) -> None:
@@ -549,17 +550,45 @@ def _unblock(block, has_keep: bool, has_ids: bool):
 
 
 def _pieces(q_segs, k_segs, causal, q, k, v, keep, q_ids=None, k_ids=None):
-    """(query rows, q, k, v, keep, diagonal, key rows, (q ids, k ids) or None) of each pair of
-    :func:`_block_pairs`."""
-    for (ql, _, qn), (kl, _, kn), diagonal in _block_pairs(q_segs, k_segs, causal):
+    """(query rows, q, k, v, keep, diagonal, key rows, (q ids, k ids) or None, (q global start,
+    k global start)) of each pair of :func:`_block_pairs`."""
+    for (ql, qg, qn), (kl, kg, kn), diagonal in _block_pairs(q_segs, k_segs, causal):
         yield (
             slice(ql, ql + qn), q[..., ql:ql + qn, :], k[..., kl:kl + kn, :], v[..., kl:kl + kn, :],
             None if keep is None else keep[:, kl:kl + kn], diagonal, slice(kl, kl + kn),
-            None if q_ids is None else (q_ids[:, ql:ql + qn], k_ids[:, kl:kl + kn]),
+            None if q_ids is None else (q_ids[:, ql:ql + qn], k_ids[:, kl:kl + kn]), (qg, kg),
         )
 
 
-def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None) -> _tiles.Tiles:
+def _at_offsets(part: _masks.Mask, qg: int, kg: int) -> _masks.Mask:
+    """A position-dependent part (window, chunked_local, alibi) of a whole-sequence self-attention
+    mask, for one block pair whose queries start at global position ``qg`` and keys at ``kg``:
+    the same rule written on global positions (query q_idx + qg, key kv_idx + kg)."""
+    if isinstance(part, _masks.Window):
+        left, right, sinks = part.left, part.right, part.sinks
+
+        def window_at(b, h, q_idx, kv_idx):
+            d = (kv_idx + kg) - (q_idx + qg)
+            near = (d <= right) if right is not None else torch.ones_like(d, dtype=torch.bool)
+            inside = near & (d >= -left) if left is not None else near
+            return inside | ((kv_idx + kg < sinks) & near) if sinks else inside
+        return _masks.mask_mod(window_at)
+    if isinstance(part, _masks.ChunkedLocal):
+        chunk = part.chunk
+
+        def chunk_at(b, h, q_idx, kv_idx):
+            return (kv_idx + kg) // chunk == (q_idx + qg) // chunk
+        return _masks.mask_mod(chunk_at)
+    assert isinstance(part, _masks.ALiBi)
+    slopes = part.slopes
+
+    def alibi_at(score, b, h, q_idx, kv_idx):
+        dist_ = ((kv_idx + kg) - (q_idx + qg)).abs().to(score.dtype)
+        return score - slopes.to(score.dtype)[h] * dist_
+    return _masks.score_mod(alibi_at, tensors=(slopes,))
+
+
+def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None, kinds=(), at=(0, 0)) -> _tiles.Tiles:
     """The tile kernel's problem for q (B, H, n, D) against one key segment k (B, Hkv, m, D),
     v (B, Hkv, m, Dv), with key padding ``keep`` (B, m) or None, document ids ``(q ids (B|1, n),
     k ids (B|1, m))`` or None, causal when ``diagonal`` (the segments hold the same positions,
@@ -570,31 +599,38 @@ def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None) -> _tile
         mask = docs if mask is None else docs & mask
     if diagonal:
         mask = _masks.causal() if mask is None else _masks.causal() & mask
+    mods = []
+    for part in kinds:  # the position-dependent and score-mod parts, in the mask's written order
+        placed = part if isinstance(part, _masks.Softcap) else _at_offsets(part, *at)
+        if placed.score_mods:
+            mods.append(placed)
+        else:
+            mask = placed if mask is None else mask & placed
     groups = q.shape[1] // k.shape[1]
-    return _tiles.Tiles(q, k, v, mask, (), scale=scale, block_q=_chunked.default_block_q(groups),
+    return _tiles.Tiles(q, k, v, mask, (), mods, scale=scale, block_q=_chunked.default_block_q(groups),
                         block_k=_chunked.BLOCK_K, mask_shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
                         bf16=_tiles.bf16_products(q.dtype, q.device))
 
 
-def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None):
+def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None, kinds=(), at=(0, 0)):
     """Merge attention of q to one key segment into the running ``out`` and ``lse``, in place.
 
     q (B, H, n, D), k (B, Hkv, m, D), v (B, Hkv, m, Dv) as the caller has them; out
     (B, H, n, Dv) and lse (B, H, n) in the compute dtype accumulate over segments (lse = -inf:
     no visible key yet).
     """
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, at)
     block_out, block_lse = tiles.forward()
     merged_out, merged_lse = _tiles.merge([out, tiles.ungroup_rows(block_out)], [lse, tiles.ungroup_lse(block_lse)])
     out.copy_(merged_out)
     lse.copy_(merged_lse)
 
 
-def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None):
+def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None, kinds=(), at=(0, 0)):
     """Add this key segment's share of the gradients into dq (B, H, n, D) (local) and dk
     (B, Hkv, m, D), dv (B, Hkv, m, Dv) (the segment's), in place; out, lse, dout are the
     whole sequence's (compute dtype), so p = exp(s - lse) are the final softmax weights."""
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, at)
     dqs, dks, dvs, _, _ = tiles.backward(tiles.group_rows(out), tiles.group_lse(lse), tiles.group_rows(dout), None)
     dq += tiles.ungroup_rows(dqs)
     dk += dks.view(dk.shape)
@@ -604,13 +640,16 @@ def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, d
 class _Spec:
     """What the ring needs besides the tensors: the group, layout and masking choices."""
 
-    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float, ids: Optional[torch.Tensor] = None):
+    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float, ids: Optional[torch.Tensor] = None,
+                 kinds: tuple = ()):
         self.ring, self.causal, self.layout, self.scale = ring, causal, layout, scale
         #: this rank's (B|1, L/P) document ids (masks.documents), or None; they travel with the keys
         self.ids = ids
+        #: window, chunked_local, alibi and softcap parts, placed at each block pair's global positions
+        self.kinds = kinds
 
     def segments(self, owner: int, local_len: int):
-        if not self.causal:
+        if not self.causal and not self.kinds:
             return [(0, 0, local_len)]
         return _pieces_of(self.layout, owner, self.ring.size, local_len)
 
@@ -631,9 +670,9 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:  # start passing the block on while computing with it
                 pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
-            for qsl, qb, kb, vb, kps, diagonal, _, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
-                                                                  q, block[0], block[1], kp, spec.ids, kids):
-                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids)
+            for qsl, qb, kb, vb, kps, diagonal, _, ids, at in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                      q, block[0], block[1], kp, spec.ids, kids):
+                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids, spec.kinds, at)
             if pending is not None:
                 block = pending.wait()
         ctx.spec = spec
@@ -664,10 +703,11 @@ class _RingAttention(torch.autograd.Function):
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
             dk = torch.zeros(block[0].shape, dtype=cdt, device=q.device)
             dv = torch.zeros(block[1].shape, dtype=cdt, device=q.device)
-            for qsl, qb, kb, vb, kps, diagonal, ksl, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
-                                                                    q, block[0], block[1], kp, spec.ids, kids):
+            for qsl, qb, kb, vb, kps, diagonal, ksl, ids, at in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                        q, block[0], block[1], kp, spec.ids, kids):
                 _attend_block_backward(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl],
-                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids)
+                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids,
+                                       spec.kinds, at)
             if pending_grad is not None:
                 dk_in, dv_in = pending_grad.wait()
                 dk, dv = dk + dk_in, dv + dv_in
@@ -681,13 +721,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- public
-def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(has a causal part, the (B, Lk) keep tensor or None, the (B|1, Lk) document ids or None)
-    of a mask the ring can carry."""
+def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor], tuple]:
+    """(has a causal part, the (B, Lk) keep tensor or None, the (B|1, Lk) document ids or None,
+    the window / chunked_local / alibi / softcap parts in written order) of a mask the ring can carry."""
     m = _masks.as_mask(mask)
     if m is None:
-        return False, None, None
-    causal, keep, ids = False, None, None
+        return False, None, None, ()
+    causal, keep, ids, kinds = False, None, None, []
     for part in m.parts:
         if isinstance(part, _masks.Causal):
             causal = True
@@ -702,14 +742,60 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
                     f"sequence; got ids of shape {tuple(part.q_ids.shape)} for q {shape[2]} and k {shape[3]} tokens")
             part.check(shape, device)
             ids = part.q_ids
+        elif isinstance(part, _masks.Softcap) or (
+                isinstance(part, (_masks.Window, _masks.ChunkedLocal, _masks.ALiBi))
+                and not (isinstance(part, _masks.ALiBi) and part.slopes.dim() != 1)):
+            part.check(shape, device)
+            kinds.append(part)
         else:
             raise ValueError(
                 f"ring_attention takes mask=None, masks.key_padding(keep) with this rank's (B, Lk) "
-                f"shard of keep, masks.documents(ids) with this rank's shard of the ids, or masks.causal(); "
-                f"got {part!r}. A dense (Lq, Lk) mask or bias cannot travel with the key blocks: use "
-                "causal=True for causal attention and key_padding for padding"
+                f"shard of keep, masks.documents(ids) with this rank's shard of the ids, masks.causal(), "
+                f"window (with sinks), chunked_local, alibi ((H,) slopes) and softcap; got {part!r}. A dense "
+                "mask or bias cannot travel with the key blocks; multihead.ulysses.ulysses_attention takes "
+                "every mask kind (sink logits, score and mask mods, ...)"
             )
-    return causal, keep, ids
+    placed = [p for p in kinds if not isinstance(p, _masks.Softcap)]
+    if placed and (ids is not None or shape[2] != shape[3]):
+        raise ValueError(
+            f"ring_attention places {placed[0]!r} by global positions, for self-attention of one sequence "
+            "(q and k cut alike) without documents; for windows or ALiBi inside packed documents use "
+            "multihead.ulysses.ulysses_attention")
+    return causal, keep, ids, tuple(kinds)
+
+
+def mask_signature(mask: Optional[_masks.Mask]) -> str:
+    """The kinds and parameters of ``mask`` that every rank must share (the shards of key padding
+    and document ids excepted): what the ranks compare before a ring or all-to-all call."""
+    if mask is None:
+        return "none"
+    parts = []
+    for p in mask.parts:
+        if isinstance(p, (_masks.KeyPadding, _masks.Documents)):
+            parts.append(p.kind)
+            continue
+        text = repr(p)
+        for name in ("slopes", "logits"):
+            t = getattr(p, name, None)
+            if isinstance(t, torch.Tensor):
+                text += f" {name}={zlib.crc32(t.detach().double().cpu().numpy().tobytes()):08x}"
+        parts.append(text)
+    return " & ".join(parts)
+
+
+def _agree_on(ring: _Ring, name: str, mine: str, fix: str, *, head: str) -> None:
+    """Every rank raises the same ValueError unless all sent the same ``mine`` (compared by crc32)."""
+    if ring.size == 1:
+        return
+    table = [row[0] for row in ring.all_gather([zlib.crc32(mine.encode())], what=f"comparing {name}")]
+    if len(set(table)) == 1:
+        return
+    groups: dict[int, list[int]] = {}
+    for r, c in enumerate(table):
+        groups.setdefault(c, []).append(r)
+    shown = "; ".join(_ranks(rs) + " agree" for rs in groups.values())
+    raise ValueError(f"{head}, rank {ring.rank} of {ring.size}: the ranks disagree on the {name} ({shown}; this "
+                     f"rank has {mine}), so nothing ran. Fix: {fix}.")
 
 
 def _check_timeout(timeout) -> None:
@@ -726,7 +812,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
     _check_timeout(timeout)
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
-    mask_causal, keep, ids = _split_mask(mask, (B, H, Lq, Lk), q.device)
+    mask_causal, keep, ids, kinds = _split_mask(mask, (B, H, Lq, Lk), q.device)
     causal = causal or mask_causal
     layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
     if causal and Lq != Lk:
@@ -739,7 +825,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
             f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
             "pad the sequence to a multiple of 2P"
         )
-    return scale, causal, layout, keep, ids
+    return scale, causal, layout, keep, ids, kinds
 
 
 def ring_attention(
@@ -764,7 +850,9 @@ def ring_attention(
             padding (True = real token; it travels with the keys), and/or ``masks.documents(ids)``
             with ids (B|1, L/P) this rank's shard of packed documents' ids (they travel with the
             keys too; only tiles within a document are computed), optionally ``& masks.causal()``
-            (per document). Other masks raise ValueError.
+            (per document); without documents also window (with sinks), chunked_local, alibi
+            ((H,) slopes) and softcap, applied at each block pair's global positions. Other
+            masks raise ValueError (``multihead.ulysses.ulysses_attention`` takes every kind).
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         group: the process group whose ranks hold the shards (default: the whole world), in
@@ -795,13 +883,16 @@ def ring_attention(
     does waits ``timeout`` seconds, then raises :class:`RingError`.
     """
     try:  # the checks of this rank's own arguments
-        scale, causal, layout, keep, ids = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+        scale, causal, layout, keep, ids, kinds = _check_call(q, k, v, mask, causal, scale, layout, timeout)
     except (TypeError, ValueError):
         _announce_rejection(group, timeout)
         raise
-    spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids)
+    spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids, kinds)
     records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
+    _agree_on(spec.ring, "mask kinds and parameters", mask_signature(_masks.as_mask(mask)),
+              "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
+              head="ring_attention")
     return _RingAttention.apply(q, k, v, keep, spec)
 
 

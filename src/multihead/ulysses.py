@@ -28,7 +28,6 @@ Dv value head dim.
 
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
@@ -37,32 +36,13 @@ import torch.distributed.nn.functional as dist_fn
 
 from . import masks as _masks
 from .distributed import (
-    _agree, _announce_rejection, _check_layout, _check_timeout, _describe, _Ring, _Spec, shard_sequence,
-    unshard_sequence,
+    _agree, _agree_on, _announce_rejection, _check_layout, _check_timeout, _describe, _Ring, _Spec, mask_signature,
+    shard_sequence, unshard_sequence,
 )
 from ._checks import check_qkv, check_scale
 from .functional import attention
 
-__all__ = ["ulysses_attention", "mask_signature"]
-
-
-def mask_signature(mask: Optional[_masks.Mask]) -> str:
-    """The kinds and parameters of ``mask`` that every rank must share (the shards of key padding
-    and document ids excepted): what the ranks compare before an all-to-all call."""
-    if mask is None:
-        return "none"
-    parts = []
-    for p in mask.parts:
-        if isinstance(p, (_masks.KeyPadding, _masks.Documents)):
-            parts.append(p.kind)
-            continue
-        text = repr(p)
-        for name in ("slopes", "logits"):
-            t = getattr(p, name, None)
-            if isinstance(t, torch.Tensor):
-                text += f" {name}={zlib.crc32(t.detach().double().cpu().numpy().tobytes()):08x}"
-        parts.append(text)
-    return " & ".join(parts)
+__all__ = ["ulysses_attention"]
 
 
 def _heads_of(part: _masks.Mask, h0: int, h1: int) -> _masks.Mask:
@@ -212,8 +192,9 @@ def ulysses_attention(
     descriptor = _describe(spec, q, k, v, keep, "forward", records)
     descriptor[5] = 0  # shard lengths may differ (compared below, for the zigzag layout)
     _agree(ring, descriptor)
-    _agree_on(ring, "mask kinds and parameters", zlib.crc32(mask_signature(m).encode()), mask_signature(m),
-              "pass the same mask on every rank (only the key padding and document ids are per-rank shards)")
+    _agree_on(ring, "mask kinds and parameters", mask_signature(m),
+              "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
+              head="ulysses_attention")
     lengths = [row[0] for row in ring.all_gather([q.shape[2]], what="exchanging shard lengths")]
     if layout == "zigzag" and len(set(lengths)) > 1:
         raise ValueError(f"ulysses_attention, rank {ring.rank}: zigzag shards must have one length, got {lengths} "
@@ -226,18 +207,3 @@ def ulysses_attention(
     qh, kh, vh = (_to_heads(t, ring, lengths, layout) for t in (q, k, v))
     o = attention(qh, kh, vh, _local_mask(m, h0, h1, full_keep, full_ids), scale=scale)
     return _to_sequence(o, ring, lengths, layout)
-
-
-def _agree_on(ring: _Ring, name: str, code: int, mine: str, fix: str) -> None:
-    """Every rank raises the same ValueError unless all sent the same ``code``."""
-    if ring.size == 1:
-        return
-    table = [row[0] for row in ring.all_gather([code], what=f"comparing {name}")]
-    if len(set(table)) == 1:
-        return
-    groups: dict[int, list[int]] = {}
-    for r, c in enumerate(table):
-        groups.setdefault(c, []).append(r)
-    shown = "; ".join("ranks " + ", ".join(map(str, rs)) + " agree" for rs in groups.values())
-    raise ValueError(f"ulysses_attention, rank {ring.rank} of {ring.size}: the ranks disagree on the {name} "
-                     f"({shown}; this rank has {mine}), so nothing ran. Fix: {fix}.")
