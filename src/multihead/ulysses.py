@@ -22,27 +22,32 @@ the ring). Autograd runs through both all-to-alls (their backward is the reverse
 Before any transfer the ranks compare their calls (shapes, dtype, scale, layout, and the mask's
 kinds and parameters) in two small all_gathers and all raise the same ValueError if they differ.
 
+**Hybrid** (yunchang's USP), for more ranks than heads: `hybrid_groups(G)` splits the P ranks
+into P/G all-to-all groups of G consecutive ranks and G rings across them; `hybrid_attention`
+turns each rank's shard into its group's G·L/P tokens of H/G heads (all-to-all inside the
+group), runs `multihead.distributed.ring_attention` across the groups on them (the masks the
+ring carries), and turns the result back. G must divide H and Hkv; the shards are contiguous.
+
 Legend: B batch, H query heads, Hkv key/value heads, L sequence length, P ranks, D head dim,
 Dv value head dim.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from . import masks as _masks
 from .distributed import (
     _agree, _agree_on, _announce_rejection, _check_layout, _check_timeout, _describe, _Ring, _Spec, mask_signature,
-    shard_sequence, unshard_sequence,
+    ring_attention, shard_sequence, unshard_sequence,
 )
 from ._checks import check_qkv, check_scale
 from .functional import attention
 
-__all__ = ["ulysses_attention"]
+__all__ = ["ulysses_attention", "hybrid_groups", "hybrid_attention"]
 
 
 def _heads_of(part: _masks.Mask, h0: int, h1: int) -> _masks.Mask:
@@ -109,15 +114,32 @@ def _gather_seq(x: torch.Tensor, ring: _Ring, lengths: list[int], layout: str) -
     return unshard_sequence([t[:, :n] for t, n in zip(parts, lengths)], layout, dim=-1).to(x.dtype)
 
 
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all`` of equal-shaped pieces, differentiable: the backward is the reverse
+    all-to-all of the gradients. (torch.distributed.nn's version scatters from global ranks,
+    which fails on a subgroup over gloo.)"""
+
+    @staticmethod
+    def forward(ctx: Any, group: dist.ProcessGroup, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        outs = [torch.empty_like(p) for p in pieces]
+        dist.all_to_all(outs, [p.contiguous() for p in pieces], group=group)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        outs = [torch.empty_like(g) for g in grads]
+        dist.all_to_all(outs, [g.contiguous() for g in grads], group=ctx.group)
+        return (None, *outs)
+
+
 def _to_heads(x: torch.Tensor, ring: _Ring, lengths: list[int], layout: str) -> torch.Tensor:
     """(B, Hx, n, D) sequence shard -> (B, Hx/P, L, D), all tokens of this rank's heads."""
     P = ring.size
     most = max(lengths)  # equal pieces both ways (gloo's all-to-all, and its backward): pad, then cut
     padded = torch.nn.functional.pad(x, (0, 0, 0, most - x.shape[2]))
     sends = [c.contiguous() for c in padded.chunk(P, dim=1)]
-    B, hx, _, D = sends[0].shape
-    recvs = [x.new_empty(B, hx, most, D) for _ in lengths]
-    got = dist_fn.all_to_all(recvs, sends, group=ring.group)  # type: ignore[no-untyped-call]
+    got = _AllToAll.apply(ring.group, *sends)  # type: ignore[no-untyped-call]
     return unshard_sequence([t[:, :, :n] for t, n in zip(got, lengths)], layout)
 
 
@@ -128,11 +150,9 @@ def _to_sequence(x: torch.Tensor, ring: _Ring, lengths: list[int], layout: str) 
         sends = [c.contiguous() for c in x.split_with_sizes(lengths, dim=2)]
     else:
         sends = [shard_sequence(x, j, P, layout).contiguous() for j in range(P)]
-    B, hx, _, Dv = x.shape
-    most = max(lengths)  # (gloo's all-to-all scatters equal pieces from each rank: pad, then cut)
+    most = max(lengths)  # (gloo's all-to-all takes equal pieces: pad, then cut)
     sends = [torch.nn.functional.pad(t, (0, 0, 0, most - t.shape[2])) for t in sends]
-    recvs = [x.new_empty(B, hx, most, Dv) for _ in range(P)]
-    got = dist_fn.all_to_all(recvs, sends, group=ring.group)  # type: ignore[no-untyped-call]
+    got = _AllToAll.apply(ring.group, *sends)  # type: ignore[no-untyped-call]
     return torch.cat([t[:, :, : lengths[r]] for t in got], dim=1)
 
 
@@ -207,3 +227,88 @@ def ulysses_attention(
     qh, kh, vh = (_to_heads(t, ring, lengths, layout) for t in (q, k, v))
     o = attention(qh, kh, vh, _local_mask(m, h0, h1, full_keep, full_ids), scale=scale)
     return _to_sequence(o, ring, lengths, layout)
+
+
+def hybrid_groups(ulysses_size: int, group: Optional[dist.ProcessGroup] = None) -> tuple[
+        dist.ProcessGroup, dist.ProcessGroup]:
+    """(all-to-all group, ring group) of this rank for `hybrid_attention`: rank r = j·G + i is
+    member i of all-to-all group j (ranks j·G .. j·G+G-1) and of ring i (ranks i, G+i, 2G+i, ...).
+    Call it on every rank (it creates every group, in one order, as torch.distributed requires)."""
+    world = dist.get_world_size(group)
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or world % ulysses_size:
+        raise ValueError(f"ulysses_size must be an int dividing the P={world} ranks, got {ulysses_size!r}")
+    ranks = [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
+    me = dist.get_rank(group)
+    G = ulysses_size
+    mine: dict[str, dist.ProcessGroup] = {}
+    for j in range(world // G):
+        made = dist.new_group([ranks[j * G + i] for i in range(G)])
+        if me // G == j:
+            mine["ulysses"] = made
+    for i in range(G):
+        made = dist.new_group([ranks[j * G + i] for j in range(world // G)])
+        if me % G == i:
+            mine["ring"] = made
+    return mine["ulysses"], mine["ring"]
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: _masks.MaskLike = None,
+    *,
+    groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
+    scale: Optional[float] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    timeout: Optional[float] = None,
+) -> torch.Tensor:
+    """All-to-all inside groups of G ranks, ring across them (see the module docstring).
+
+    Args:
+        q: (B, H, n, D), this rank's contiguous shard (rank r holds tokens r·n .. r·n+n-1).
+        k: (B, Hkv, n, D), its keys.
+        v: (B, Hkv, n, Dv), its values.
+        mask: what `multihead.distributed.ring_attention` carries (causal, key padding and
+            document ids as this rank's shards, window, chunked_local, alibi, softcap),
+            described on the whole sequence.
+        groups: ``hybrid_groups(G)`` of this rank.
+        scale: multiplies q·kᵀ; default 1/√D.
+        group: the process group of all P ranks (default: the world), where the ranks first
+            compare their calls and masks.
+        timeout: seconds to wait for the agreement and the ring.
+
+    Returns:
+        (B, H, n, Dv): this rank's rows of attention over the whole sequence.
+    """
+    uly_group, ring_group = groups
+    try:
+        check_qkv(q, k, v)
+        scale = check_scale(scale, q.shape[-1])
+        _check_timeout(timeout)
+        m, keep, ids = _check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+        G = dist.get_world_size(uly_group)
+        if q.shape[1] % G or k.shape[1] % G:
+            raise ValueError(f"hybrid_attention gives each of the G={G} ranks of an all-to-all group whole heads, so G "
+                             f"must divide H={q.shape[1]} and Hkv={k.shape[1]}; pick ulysses_size for hybrid_groups so")
+    except (TypeError, ValueError):
+        _announce_rejection(group, timeout)
+        raise
+    everyone = _Ring(group, timeout)
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    descriptor = _describe(_Spec(everyone, False, "contiguous", scale, ids), q, k, v, keep, "forward", records)
+    _agree(everyone, descriptor)
+    _agree_on(everyone, "mask kinds and parameters", mask_signature(m),
+              "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
+              head="hybrid_attention")
+    uly = _Ring(uly_group, timeout)
+    lengths = [q.shape[2]] * G
+    h0 = uly.rank * (q.shape[1] // G)
+    h1 = h0 + q.shape[1] // G
+    group_keep = None if keep is None else _gather_seq(keep, uly, lengths, "contiguous")
+    group_ids = None if ids is None else _gather_seq(ids.expand(q.shape[0], -1) if ids.shape[0] != 1 else ids,
+                                                     uly, lengths, "contiguous")
+    qh, kh, vh = (_to_heads(t, uly, lengths, "contiguous") for t in (q, k, v))  # (B, H/G, G·n, D)
+    o = ring_attention(qh, kh, vh, _local_mask(m, h0, h1, group_keep, group_ids), scale=scale, group=ring_group,
+                       layout="contiguous", timeout=timeout)
+    return _to_sequence(o, uly, lengths, "contiguous")
