@@ -1,5 +1,6 @@
-"""The ring carries window (with sinks), chunked_local, ALiBi and softcap: each block pair
-applies them at its global positions. 2 gloo processes over a FileStore (no port) against
+"""The ring carries window (with sinks), chunked_local, ALiBi and softcap (each block pair
+applies them at its global positions) and sink logits (once per row, after the ring; their
+gradient summed over the ranks). 2 gloo processes over a FileStore (no port) against
 single-process ``multihead.attention`` at float64, outputs and the gradients of q, k, v
 (1e-12: the same products, merged in another order); and ranks passing different windows all
 raise a named ValueError."""
@@ -28,6 +29,9 @@ CASES = {
 }
 
 
+LOGITS = torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64)
+
+
 def tensors(name):
     g = torch.Generator().manual_seed(len(name))
     L = 16
@@ -49,6 +53,13 @@ def _worker(rank: int, store: str, out: str) -> None:
             o = ring_attention(qs, ks, vs, build(shard_sequence(keep, rank, P, layout, dim=-1)), layout=layout)
             o.backward(shard_sequence(dout, rank, P, layout))
             res[name] = (o.detach(), qs.grad, ks.grad, vs.grad)
+        q, k, v, dout, keep = tensors("sink")
+        qs, ks, vs = (shard_sequence(t, rank, P, "zigzag").requires_grad_() for t in (q, k, v))
+        logits = LOGITS.clone().requires_grad_()
+        o = ring_attention(qs, ks, vs, masks.causal() & masks.sink(logits) & masks.key_padding(
+            shard_sequence(keep, rank, P, "zigzag", dim=-1)), layout="zigzag")
+        o.backward(shard_sequence(dout, rank, P, "zigzag"))
+        res["sink"] = (o.detach(), qs.grad, ks.grad, vs.grad, logits.grad)
         x = torch.randn(1, 2, 4, 8)
         try:
             ring_attention(x, x, x, masks.window(2 + rank), timeout=30)
@@ -83,6 +94,18 @@ def test_ring_carries_the_kind_and_equals_one_process(ranks, name):
                                    rtol=0, atol=F64)
 
 
+def test_sink_logits_travel_once_per_row_with_their_gradient(ranks):
+    q, k, v, dout, keep = tensors("sink")
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    logits = LOGITS.clone().requires_grad_()
+    want = mh.attention(q, k, v, masks.causal() & masks.sink(logits) & masks.key_padding(keep))
+    want.backward(dout)
+    for i, ref in enumerate((want.detach(), q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(unshard_sequence([ranks[r]["sink"][i] for r in range(P)], "zigzag"), ref,
+                                   rtol=0, atol=F64)
+    torch.testing.assert_close(sum(ranks[r]["sink"][4] for r in range(P)), logits.grad, rtol=0, atol=F64)
+
+
 def test_ranks_with_different_windows_all_raise(ranks):
     for r in range(P):
         assert "disagree on the mask kinds and parameters" in ranks[r]["disagree"]
@@ -91,6 +114,6 @@ def test_ranks_with_different_windows_all_raise(ranks):
 def test_kinds_the_ring_cannot_place_are_refused_by_name():
     x = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="ulysses_attention takes every mask kind"):
-        ring_attention(x, x, x, masks.sink(torch.zeros(2)))
+        ring_attention(x, x, x, masks.bias(torch.zeros(4, 4)))
     with pytest.raises(ValueError, match="inside packed documents use"):
         ring_attention(x, x, x, masks.window(2) & masks.documents(torch.zeros(1, 4, dtype=torch.long)))

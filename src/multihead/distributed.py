@@ -656,7 +656,7 @@ class _Spec:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, spec: _Spec):
+    def forward(ctx, q, k, v, keep, spec: _Spec, sink=None):
         ring = spec.ring
         B, H, Lq, _ = q.shape
         cdt = compute_dtype(q.dtype)
@@ -675,14 +675,18 @@ class _RingAttention(torch.autograd.Function):
                 _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids, spec.kinds, at)
             if pending is not None:
                 block = pending.wait()
+        if sink is not None:  # the sink's exp(logit_h) joins each row's denominator once, after every block
+            merged = torch.logaddexp(lse, sink.to(cdt).view(1, -1, 1))
+            out.mul_(torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1))
+            lse = merged
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, keep, out, lse)
+        ctx.save_for_backward(q, k, v, keep, out, lse, sink)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, keep, out, lse = ctx.saved_tensors
+        q, k, v, keep, out, lse, sink = ctx.saved_tensors
         spec = ctx.spec
         ring = spec.ring
         _agree(ring, _describe(spec, q, k, v, keep, "backward", True))
@@ -717,7 +721,11 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:  # the last block's gradients are complete: send them home
             grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1).wait()
         dk, dv = grads_out
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[5]:  # d logit_h = -Σ_rows p_sink · (dout · out)
+            p_sink = torch.exp(sink.to(cdt).view(1, -1, 1) - lse)
+            dsink = -(p_sink * (dout * out).sum(-1)).sum(dim=(0, 2)).to(sink.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsink
 
 
 # ---------------------------------------------------------------------------------- public
@@ -742,7 +750,7 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
                     f"sequence; got ids of shape {tuple(part.q_ids.shape)} for q {shape[2]} and k {shape[3]} tokens")
             part.check(shape, device)
             ids = part.q_ids
-        elif isinstance(part, _masks.Softcap) or (
+        elif isinstance(part, (_masks.Softcap, _masks.Sink)) or (
                 isinstance(part, (_masks.Window, _masks.ChunkedLocal, _masks.ALiBi))
                 and not (isinstance(part, _masks.ALiBi) and part.slopes.dim() != 1)):
             part.check(shape, device)
@@ -755,7 +763,7 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
                 "mask or bias cannot travel with the key blocks; multihead.ulysses.ulysses_attention takes "
                 "every mask kind (sink logits, score and mask mods, ...)"
             )
-    placed = [p for p in kinds if not isinstance(p, _masks.Softcap)]
+    placed = [p for p in kinds if not isinstance(p, (_masks.Softcap, _masks.Sink))]
     if placed and (ids is not None or shape[2] != shape[3]):
         raise ValueError(
             f"ring_attention places {placed[0]!r} by global positions, for self-attention of one sequence "
@@ -850,8 +858,10 @@ def ring_attention(
             padding (True = real token; it travels with the keys), and/or ``masks.documents(ids)``
             with ids (B|1, L/P) this rank's shard of packed documents' ids (they travel with the
             keys too; only tiles within a document are computed), optionally ``& masks.causal()``
-            (per document); without documents also window (with sinks), chunked_local, alibi
-            ((H,) slopes) and softcap, applied at each block pair's global positions. Other
+            (per document); sink logits (``masks.sink``, added to each row's denominator once,
+            after the ring; each rank's logits gradient is its rows' share); without documents
+            also window (with sinks), chunked_local, alibi ((H,) slopes) and softcap, applied at
+            each block pair's global positions. Other
             masks raise ValueError (``multihead.ulysses.ulysses_attention`` takes every kind).
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
@@ -884,6 +894,8 @@ def ring_attention(
     """
     try:  # the checks of this rank's own arguments
         scale, causal, layout, keep, ids, kinds = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+        sink = next((p.logits for p in kinds if isinstance(p, _masks.Sink)), None)
+        kinds = tuple(p for p in kinds if not isinstance(p, _masks.Sink))
     except (TypeError, ValueError):
         _announce_rejection(group, timeout)
         raise
@@ -893,7 +905,7 @@ def ring_attention(
     _agree_on(spec.ring, "mask kinds and parameters", mask_signature(_masks.as_mask(mask)),
               "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
               head="ring_attention")
-    return _RingAttention.apply(q, k, v, keep, spec)
+    return _RingAttention.apply(q, k, v, keep, spec, sink)
 
 
 class ContextParallel(nn.Module):

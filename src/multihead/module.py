@@ -704,7 +704,7 @@ class MultiHeadAttention(nn.Module):
                 where = {"positions": "shard", "count": positions.numel()}
             else:
                 where = {"positions": "offset", "start": int(positions), "stop": int(positions) + q.shape[2] - 1}
-            params = {**where, "base": float(rope.base), "layout": "rotate-half"}
+            params = {**where, "base": float(rope.base), "layout": "interleaved" if rope.interleaved else "rotate-half"}
             tr.record(_steps.ROPE, q, role="Q", params=params)
             tr.record(_steps.ROPE, k, role="K", params=params)
         return q, k
