@@ -347,3 +347,35 @@ def test_set_block_table_exchanges_rows_blocks():
         y = m(s, cache=cache)
     for b in range(2):
         torch.testing.assert_close(y[b, 0], alone(m, x[1 - b], s[b])[1][0], rtol=0, atol=F64)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_one_cache_per_layer_in_both_grad_modes(kind, grad_mode):
+    """KVCaches of ragged/paged caches: two layers, crop and select applied to both; each row of
+    the stack equals that sequence through the two layers alone."""
+    torch.manual_seed(8)
+    blocks = [make(2, seed=s) for s in (0, 1)]
+    lengths = torch.tensor([4, 2])
+    extra = {"block_size": 2, "num_blocks": 16} if kind == "paged" else {}
+    cls = mh.PagedKVCache if kind == "paged" else mh.RaggedKVCache
+    caches = cls.layers(2, 16, lengths=lengths, **extra)
+    x = torch.randn(2, 4, D_MODEL, dtype=torch.float64)
+    s = torch.randn(2, 1, D_MODEL, dtype=torch.float64)
+
+    def stack(h, cs):
+        for block, c in zip(blocks, cs):
+            h = block(h, cache=c)
+        return h
+
+    with grad_mode():
+        stack(x, caches)
+        y = stack(s, caches)
+        for b, n in enumerate(lengths.tolist()):
+            alone_caches = mh.KVCache.layers(2, 16)
+            stack(x[b:b + 1, :n], alone_caches)
+            torch.testing.assert_close(y[b], stack(s[b:b + 1], alone_caches)[0], rtol=0, atol=F64)
+        caches.select(torch.tensor([1]))
+        assert [c.lengths.tolist() for c in caches] == [[3], [3]]
+    with pytest.raises(TypeError, match="lengths="):
+        cls.layers(2, 16, keep=torch.ones(1, 2, dtype=torch.bool), **extra)

@@ -49,7 +49,7 @@ import torch
 
 from . import masks as _masks
 from ._checks import check_positive_int
-from .cache import KVCache
+from .cache import KVCache, KVCaches
 
 __all__ = ["RaggedKVCache", "PagedKVCache"]
 
@@ -110,6 +110,17 @@ class RaggedKVCache(KVCache):
         super().__init__(max_len)
         if lengths is not None:
             self.add(lengths)
+
+    @classmethod
+    def layers(cls, num_layers: int, max_len: int, *, keep: Optional[torch.Tensor] = None,
+               lengths: Optional[torch.Tensor] = None, **storage: int) -> KVCaches:
+        """``num_layers`` caches of this kind in a `multihead.KVCaches` (one per attention layer),
+        each with the same ``lengths`` (and, for `PagedKVCache`, ``block_size``/``num_blocks``:
+        each layer has its own pool); ``keep`` is not taken (``lengths`` says the prompts')."""
+        check_positive_int(num_layers, "num_layers")
+        if keep is not None:
+            raise TypeError(f"{cls.__name__}.layers takes per-row prompt lengths (lengths=), not keep")
+        return KVCaches([cls(max_len, lengths=lengths, **storage) for _ in range(num_layers)])
 
     # ------------------------------------------------------------------ lengths and rows
     @property
