@@ -310,6 +310,10 @@ def test_bad_lengths_batch_index_and_block_tables():
         with pytest.raises(ValueError, match="max_len=8"):
             m(torch.randn(2, 6, D_MODEL, dtype=torch.float64), cache=cache)
     assert cache.lengths.tolist() == [3, 2]  # the refused writes changed nothing
+    fresh = mh.PagedKVCache(4, block_size=2, num_blocks=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="max_len=4"):
+        m(torch.randn(2, 5, D_MODEL, dtype=torch.float64), cache=fresh)
+    assert fresh.num_rows == 0 and fresh.free_blocks == 8  # a refused first write brought no rows
     with pytest.raises(ValueError, match="twice"):
         cache.use(torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="batch_index"):

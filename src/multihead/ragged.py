@@ -205,8 +205,18 @@ class RaggedKVCache(KVCache):
 
     # ------------------------------------------------------------------ the module's hooks
     def _check_step(self, batch: int, n: int, device: torch.device) -> None:
-        if not self._rows:  # no lengths given: the first write brings its rows, every token real
+        brought = not self._rows
+        if brought:  # no lengths given: the first write brings its rows, every token real
             self._rows, self._prompt = [0] * batch, [None] * batch
+        try:
+            self._check_rows_fit(batch, n, device)
+        except ValueError:
+            if brought:  # a refused first write brings no rows
+                self._rows, self._prompt = [], []
+                self._forget_storage()
+            raise
+
+    def _check_rows_fit(self, batch: int, n: int, device: torch.device) -> None:
         rows = self._routed()
         if len(rows) != batch:
             what = "batch_index routes" if self.batch_index is not None else "the cache holds"
