@@ -252,10 +252,6 @@ class RoPE:
             ("" if self.given is None else f", tables=({self.given[0].shape[0]} positions)")
         return f"RoPE(head_dim={self.head_dim}, base={self.base:g}{scaling}{extra})"
 
-    def _layout_key(self) -> tuple[object, ...]:
-        """What decides the rotation besides base and scaling (for comparing two RoPEs)."""
-        return (self.interleaved, self.rotary_dim, None if self.given is None else id(self.given[0]))
-
     def cos_sin(
         self, length: int, *, offset: int = 0, device: Device = None, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
