@@ -20,11 +20,6 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 F64 = 1e-12
 
 
-def grads(out, *ts):
-    g = torch.randn_like(out)
-    return torch.autograd.grad(out, ts, g.expand_as(out) if g.shape != out.shape else g)
-
-
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
 @pytest.mark.parametrize("case", ["3d", "5d", "5d-broadcast", "6d-broadcast"])
 def test_leading_axes_equal_sdpa(case, backend):

@@ -12,7 +12,6 @@ Two independent references:
 Float64 decoding and the references differ only in the order of the same roundings (a few
 ulps), hence 1e-12."""
 
-import math
 
 import pytest
 import torch

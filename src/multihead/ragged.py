@@ -43,7 +43,7 @@ D head dim, Lk the keys attended (the longest routed row after the write), S blo
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
