@@ -9,6 +9,7 @@ call). Run::
     python benchmarks/bench_ring.py                      # L = 16k, 32k, 64k; P = 1, 2, 4
     python benchmarks/bench_ring.py --seq-lens 4096 --ranks 1 2 --markdown out.md   # appends
     python benchmarks/bench_ring.py --seq-lens 65536 --no-backward                 # forward only
+    python benchmarks/bench_ring.py --mode ulysses --heads 8 --ranks 1 2 4 8       # all-to-all
 
 Ranks on one host share its cores (one torch thread per rank unless ``--threads``): with more
 ranks than cores the time is not a speed-up measurement; the point is memory per rank and
@@ -35,13 +36,21 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from multihead import masks
     from multihead.distributed import ring_attention
+    from multihead.ulysses import ulysses_attention
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(q, k, v):
+        if args.mode == "ring":
+            return ring_attention(q, k, v, causal=args.causal)
+        return ulysses_attention(q, k, v, masks.causal() if args.causal else None, layout="contiguous")
+
     # a tiny call first, so that the baseline includes torch's lazy initialisation
-    tiny = [torch.randn(1, 1, 8, 8, requires_grad=True) for _ in range(3)]
-    ring_attention(*tiny, causal=args.causal).sum().backward()
+    tiny = [torch.randn(1, world, 8, 8, requires_grad=True) for _ in range(3)]
+    run(*tiny).sum().backward()
     base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     n = args.seq_len // world
     g = torch.Generator().manual_seed(rank)
@@ -50,7 +59,7 @@ def _worker(args) -> None:
     grad = torch.randn(shape, generator=g)
     dist.barrier()
     t0 = time.perf_counter()
-    out = ring_attention(q, k, v, causal=args.causal)
+    out = run(q, k, v)
     t1 = time.perf_counter()
     if args.backward:
         out.backward(grad)
@@ -71,7 +80,7 @@ def _launch(args, seq_len: int, world: int, results: Path) -> list[dict]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
         __file__, "--worker", f"--seq-len={seq_len}", f"--batch={args.batch}", f"--heads={args.heads}",
-        f"--head-dim={args.head_dim}", "--causal" if args.causal else "--no-causal",
+        f"--head-dim={args.head_dim}", "--causal" if args.causal else "--no-causal", f"--mode={args.mode}",
         "--backward" if args.backward else "--no-backward", f"--results={results}",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -94,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--mode", choices=("ring", "ulysses"), default="ring",
+                   help="ring_attention, or ulysses_attention (all-to-all; P must divide H)")
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the backward pass (--no-backward: forward only)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
@@ -108,8 +119,8 @@ def main(argv=None) -> int:
         return 0
 
     header = (
-        f"B={args.batch}, H={args.heads}, D={args.head_dim}, float32, causal={args.causal} "
-        f"(zigzag layout), {args.threads} thread(s) per rank, {os.cpu_count()} CPU cores shared by all ranks\n\n"
+        f"{args.mode}: B={args.batch}, H={args.heads}, D={args.head_dim}, float32, causal={args.causal} "
+        f"({'zigzag' if args.mode == 'ring' else 'contiguous'} layout), {args.threads} thread(s) per rank, {os.cpu_count()} CPU cores shared by all ranks\n\n"
         "| L | P | pass | shard q (MiB) | peak RSS per rank (MiB) | above baseline (MiB) | dense scores, one process (MiB) "
         "| forward (s) | backward (s) | GFLOP/s (all ranks) |\n"
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"

@@ -93,6 +93,24 @@ def test_decided_steps_equal_the_general_path_bit_for_bit(name, dtype, grad_mode
     assert torch.equal(cache_f.keys, cache_g.keys) and torch.equal(cache_f.values, cache_g.values)
 
 
+@pytest.mark.parametrize("name", ["plain", "gqa", "rope gqa no bias", "d_out"])
+@pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_batched_steps_are_decided_and_equal_the_general_path(name, batch, grad_mode, monkeypatch):
+    """B > 1 (every row one new token): decided once, then the general path's three products."""
+    mha, prompt = _module(**CONFIGS[name]), _tokens(5, batch=batch)
+    general, cache_g = _generate(mha, prompt, 6, enabled=False, grad_mode=grad_mode)
+    seen = []
+    orig = multihead.MultiHeadAttention._defaults
+    monkeypatch.setattr(multihead.MultiHeadAttention, "_defaults", lambda self, *a: seen.append(1) or orig(self, *a))
+    fast, cache_f = _generate(mha, prompt, 6, grad_mode=grad_mode)
+    assert len(seen) == 1, "only the prefill takes the general path; every step is the decided one"
+    assert mha._decode_step is not None and not mha._decode_step._stacked
+    for a, b in zip(fast, general):
+        assert a.shape == (batch, 1, mha.config.d_out) and torch.equal(a, b)
+    assert torch.equal(cache_f.keys, cache_g.keys) and torch.equal(cache_f.values, cache_g.values)
+
+
 def test_steps_equal_a_full_causal_forward():
     """The decided steps against the module's own full forward over the whole sequence (float64)."""
     mha, prompt = _module(dtype=torch.float64, rope=True, num_kv_heads=2), _tokens(4, dtype=torch.float64)
@@ -289,7 +307,7 @@ def test_other_inputs_and_wrong_inputs_take_the_general_path():
     two = multihead.KVCache(12)
     with torch.no_grad():
         mha(_tokens(4, batch=2), cache=two)
-        got = mha(_tokens(1, seed=5, batch=2), cache=two)  # B = 2: three products, the general path
+        got = mha(_tokens(1, seed=5, batch=2), cache=two)  # B = 2: three products, decided too
     assert got.shape == (2, 1, D)
 
 

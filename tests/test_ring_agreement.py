@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, port: int, outdir: Path) -> None:
     # rank 2's own arguments are rejected (a mask the ring cannot carry): the others must not wait
     def rejected():
         q = torch.randn(2, 4, 4, 8)
-        ring_attention(q, q, q, masks.window(2) if rank == 2 else None, timeout=RING_TIMEOUT)
+        ring_attention(q, q, q, masks.bias(torch.zeros(4, 4)) if rank == 2 else None, timeout=RING_TIMEOUT)
 
     record("rejected_arguments", _outcome(rejected))
 

@@ -26,6 +26,7 @@ Public surface:
 
 from . import backends, masks, nn, steps
 from .cache import KVCache, KVCaches, StaticKVCache
+from .ragged import PagedKVCache, RaggedKVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch, merge
 from .module import MultiHeadAttention
@@ -58,6 +59,8 @@ __all__ = [
     "KVCache",
     "StaticKVCache",
     "KVCaches",
+    "RaggedKVCache",
+    "PagedKVCache",
     "RoPE",
     "explain",
     "diagnose",

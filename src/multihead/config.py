@@ -50,6 +50,8 @@ class AttentionConfig:
     self-attention only, needs an even head_dim. rope_base: the RoPE frequency base.
     rope_scaling: a `multihead.rope.RoPEScaling` rule for the frequencies (rope=True only),
     or None; a dict of its fields (as `to_dict` writes it) is read as one.
+    rope_interleaved: GPT-J's layout (pairs 2i, 2i+1) instead of rotate-half. rope_dim: rotate
+    only the first rope_dim coordinates of each head (GPT-NeoX, Phi; None: all of them).
 
     Example::
 
@@ -70,6 +72,8 @@ class AttentionConfig:
     rope: bool = False
     rope_base: float = 10000.0
     rope_scaling: Optional[RoPEScaling] = None
+    rope_interleaved: bool = False
+    rope_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -101,6 +105,15 @@ class AttentionConfig:
                 f"rope_scaling={self.rope_scaling} rescales rotary embeddings, but rope=False; "
                 "pass rope=True, or rope_scaling=None"
             )
+        if not isinstance(self.rope_interleaved, bool):
+            raise TypeError(f"rope_interleaved must be True or False, got {self.rope_interleaved!r}")
+        if (self.rope_interleaved or self.rope_dim is not None) and not self.rope:
+            raise ValueError("rope_interleaved / rope_dim shape rotary embeddings, but rope=False; pass rope=True")
+        if self.rope_dim is not None:
+            rd = check_positive_int(self.rope_dim, "rope_dim")
+            if rd % 2 or rd > self.head_dim:
+                raise ValueError(f"rope_dim must be even and <= head_dim={self.head_dim}, got {rd}")
+            set_(self, "rope_dim", None if rd == self.head_dim else rd)
         if self.rope and self.head_dim % 2:
             raise ValueError(
                 f"rope=True needs an even head_dim (RoPE rotates pairs of coordinates), got "

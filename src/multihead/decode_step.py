@@ -25,7 +25,8 @@ Nothing derived from the weights is kept.
 ``tests/test_decode_step.py`` holds every step to the general path bit for bit.
 
 It applies to the call ``mha(x, cache=cache)`` with nothing else (no mask, positions or
-weights), one row (B = Lq = 1: the case of the stacked block), a `KVCache` (not a
+weights), one new token per row (Lq = 1; B = 1 takes the stacked block's one product, B > 1
+the module's three products, ``mha._project``, as the general path does), a `KVCache` (not a
 `StaticKVCache`, which is for torch.compile) without padding, in eager mode with autograd off
 (``no_grad``/``inference_mode``), autocast off, no trace recording, no dropout, plain ``nn.Linear``
 projections without hooks whose q/k/v parameters are still rows of the stacked block, and a
@@ -65,9 +66,9 @@ class DecodeStep:
     """
 
     __slots__ = ("_cache", "_key", "_shape", "_dtype", "_device", "_device_type", "_inference",
-                 "_packed", "_backend", "_auto", "_heads", "_qkv_view")
+                 "_packed", "_backend", "_auto", "_heads", "_qkv_view", "_stacked")
 
-    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, packed: tuple[Any, ...],
+    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, packed: Optional[tuple[Any, ...]],
                  backend: _backends.Backend, auto: bool) -> None:
         self._cache = weakref.ref(cache)  # a cache dropped by the caller is not kept alive here
         self._key = weakref.ref(cache.key)  # its key buffer: a reallocation (select, a new layout) ends this
@@ -75,6 +76,7 @@ class DecodeStep:
         self._device_type = query.device.type
         self._inference = torch.is_inference_mode_enabled()
         self._packed = packed  # the module's stacked block when this was built: re-packing ends this
+        self._stacked = packed is not None  # B = 1: the one product with the stacked block
         heads, kv_heads = mha._sizes[0], mha._sizes[1]
         self._heads = (heads, kv_heads)
         self._qkv_view = (1, 1, heads + 2 * kv_heads, mha.config.head_dim)  # (B, Lq, H + 2 Hkv, D)
@@ -87,28 +89,29 @@ class DecodeStep:
         does), cheapest refusals first, before deciding anything."""
         name = mha.config.backend
         backend = _backends._REGISTRY.get(_backends.AUTO_ORDER[0] if name == "auto" else name)
-        if not ENABLED or type(query) is not torch.Tensor or query.dim() != 3 or query.numel() != query.shape[-1] \
+        if not ENABLED or type(query) is not torch.Tensor or query.dim() != 3 or query.shape[1] != 1 \
                 or type(cache) is not KVCache or cache.keep is not None or backend is None \
                 or backend.takes_plain is None or torch.is_grad_enabled() or _trace.current() is not None \
-                or mha._packed is None:
+                or (mha._packed is None and query.shape[0] == 1):
             return None  # (the calls that never qualify leave here, before any edge check)
         mha._check_inputs(query, query, query)
         mha._check_cache(cache, query, query, query)
-        packed = mha._packed_now()
-        if packed is None or packed[0].dtype != query.dtype \
+        batch = query.shape[0]
+        packed = mha._packed_now() if batch == 1 else None
+        if (batch == 1 and (packed is None or packed[0].dtype != query.dtype)) \
                 or cache.key is None or cache.value is None or cache._fresh \
                 or (mha.training and mha.config.dropout > 0) or not mha._plain() \
                 or torch.is_autocast_enabled(query.device.type) \
                 or (cache.key.is_inference() and not torch.is_inference_mode_enabled()):
             return None
         heads, kv_heads, head_dim = mha._sizes[0], mha._sizes[1], mha.config.head_dim
-        if tuple(cache.key.shape) != (1, kv_heads, cache.max_len, head_dim) \
-                or tuple(cache.value.shape) != (1, kv_heads, cache.max_len, head_dim) \
+        if tuple(cache.key.shape) != (batch, kv_heads, cache.max_len, head_dim) \
+                or tuple(cache.value.shape) != (batch, kv_heads, cache.max_len, head_dim) \
                 or cache.key.dtype != query.dtype or cache.key.device != query.device:
             return None  # the cache holds another layout: the general path says why (or re-allocates)
         # the backend every step up to the cache's max_len keys gets: takes_plain for the longest
         # step (it holds for fewer keys too), which neither refuses nor declines a plain call
-        full = Call(query.new_empty(1, heads, 1, head_dim), cache.key, cache.value, None, 0.0)
+        full = Call(query.new_empty(batch, heads, 1, head_dim), cache.key, cache.value, None, 0.0)
         if not backend.takes_plain(full):
             return None
         return cls(mha, query, cache, packed, backend, name == "auto")
@@ -125,9 +128,17 @@ class DecodeStep:
                 or cache.length >= cache.max_len
                 or _backends._REGISTRY.get(backend.name) is not backend
                 or (self._auto and _backends.AUTO_ORDER[0] != backend.name)
-                or not mha._plain() or mha._packed_now() is not self._packed):
+                or not mha._plain() or (self._stacked and mha._packed_now() is not self._packed)):
             return None
         packed = self._packed
+        if packed is None:  # B > 1: the general path's own core steps, in its order
+            q, k, v = mha._project(query, query, query, None, True)
+            if mha.rope is not None:
+                q, k = mha._rotate(q, k, cache.length, None, bound=cache.max_len)
+            k, v = cache._store(k, v)
+            o = backend.fn(q, k, v, None, scale=mha._scale, dropout_p=0.0)  # (B, H, 1, D)
+            merged: torch.Tensor = mha._merge_output(o, None, True)
+            return merged
         # mha._project_stacked(query, *packed[:2]) written out (its two calls are 2% of the step)
         heads, kv_heads = self._heads
         q, k, v = F.linear(query, packed[0], packed[1]).view(self._qkv_view).transpose(1, 2).split_with_sizes(

@@ -45,7 +45,8 @@ from __future__ import annotations
 import datetime
 import numbers
 import struct
-from typing import Optional
+import zlib
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,10 @@ from .backends import chunked as _chunked
 
 __all__ = [
     "LAYOUTS",
+    "DocumentLayout",
+    "rank_work",
     "RingError",
+    "mask_signature",
     "ring_attention",
     "shard_sequence",
     "unshard_sequence",
@@ -79,10 +83,108 @@ class RingError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- layouts
-def _check_layout(layout, name: str = "layout") -> str:
+class DocumentLayout:
+    """Packed documents split so that causal work is balanced: each document of n tokens (n a
+    multiple of P) is cut into 2P chunks, and rank r holds chunks r and 2P-1-r of every document
+    (zigzag inside each document), chunk sizes a = n/P // 2 (chunks 0 .. P-1) and n/P - a (the
+    rest). Every rank holds n/P tokens of every document, and under a causal mask inside the
+    documents (``masks.documents(ids) & masks.causal()``) each rank's queries see nearly the
+    same number of keys (`rank_work`), where a contiguous split of the packed sequence gives the
+    rank holding a long document's end most of the work.
+
+    >>> from multihead.distributed import DocumentLayout, rank_work
+    >>> layout = DocumentLayout([8, 4, 12])
+    >>> layout.segments(0, 2)                   # (local start, global start, length)
+    [(0, 0, 2), (2, 6, 2), (4, 8, 1), (5, 11, 1), (6, 12, 3), (9, 21, 3)]
+    >>> rank_work(layout, 2), rank_work("contiguous", 2, seq_len=24, documents=[8, 4, 12])
+    ([62, 62], [46, 78])
+
+    Pass it as ``layout=`` to `shard_sequence`, `unshard_sequence`, `shard_positions` and
+    `ring_attention` (with ``masks.documents(ids_shard)``; ids_shard = ``shard_sequence(ids,
+    rank, P, layout, dim=-1)``).
+    """
+
+    def __init__(self, lengths: "Sequence[int]"):
+        got = [int(n) for n in lengths]
+        if not got or any(n < 1 for n in got):
+            raise ValueError(f"DocumentLayout takes the packed documents' lengths (each >= 1), got {list(lengths)}")
+        self.lengths = tuple(got)
+
+    def __repr__(self) -> str:
+        return f"DocumentLayout({list(self.lengths)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DocumentLayout) and other.lengths == self.lengths
+
+    def __hash__(self) -> int:
+        return hash(self.lengths)
+
+    def code(self) -> int:
+        """A number that differs between layouts of different lengths (for the ranks' agreement)."""
+        return 2 + zlib.crc32(repr(self.lengths).encode())
+
+    def check(self, world_size: int) -> None:
+        bad = [n for n in self.lengths if n % world_size]
+        if bad:
+            raise ValueError(f"DocumentLayout over P={world_size} ranks needs every document's length to be a multiple of "
+                             f"P (each rank holds n/P tokens of each), got {bad}; pad the documents")
+
+    def segments(self, rank: int, world_size: int) -> list[tuple[int, int, int]]:
+        """Rank ``rank``'s pieces: ``(local start, global start, length)`` each."""
+        self.check(world_size)
+        out, local, start = [], 0, 0
+        for n in self.lengths:
+            a = n // world_size // 2
+            sizes = [a] * world_size + [n // world_size - a] * world_size
+            starts = [start + sum(sizes[:j]) for j in range(2 * world_size)]
+            for j in (rank, 2 * world_size - 1 - rank):
+                if sizes[j]:
+                    out.append((local, starts[j], sizes[j]))
+                    local += sizes[j]
+            start += n
+        return out
+
+
+def rank_work(layout, world_size: int, *, seq_len: Optional[int] = None, documents=None) -> list[int]:
+    """Visible (query, key) score pairs of each rank's queries under causal attention inside the
+    documents (one document of ``seq_len`` tokens without ``documents``): query t of a document
+    sees t + 1 keys. ``layout``: a `DocumentLayout`, or "contiguous"/"zigzag" of a packed
+    sequence of ``seq_len`` tokens holding ``documents`` (lengths)."""
+    if isinstance(layout, DocumentLayout):
+        docs = list(layout.lengths)
+        total = sum(docs)
+    else:
+        _check_layout(layout)
+        if seq_len is None:
+            raise ValueError("rank_work of a contiguous or zigzag layout needs seq_len")
+        docs = [seq_len] if documents is None else [int(n) for n in documents]
+        total = seq_len
+    within = torch.cat([torch.arange(n) for n in docs]) + 1  # (L,): keys each query sees
+    if within.numel() != total:
+        raise ValueError(f"the documents' lengths sum to {within.numel()} but seq_len={total}")
+    out = []
+    for r in range(world_size):
+        if isinstance(layout, DocumentLayout):
+            segs = [(g, n) for _, g, n in layout.segments(r, world_size)]
+        else:
+            segs = [(g, n) for _, g, n in _segments(r, world_size, total // world_size, layout)]
+        out.append(sum(int(within[g:g + n].sum()) for g, n in segs))
+    return out
+
+
+def _check_layout(layout, name: str = "layout"):
+    if isinstance(layout, DocumentLayout):
+        return layout
     if layout not in LAYOUTS:
-        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{name} must be one of {LAYOUTS} or a DocumentLayout, got {layout!r}")
     return layout
+
+
+def _pieces_of(layout, rank: int, world_size: int, local_len: int) -> list[tuple[int, int, int]]:
+    """The segments of any layout."""
+    if isinstance(layout, DocumentLayout):
+        return layout.segments(rank, world_size)
+    return _segments(rank, world_size, local_len, layout)
 
 
 def _check_rank(rank, world_size) -> tuple[int, int]:
@@ -121,6 +223,10 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str = "c
     rank, world_size = _check_rank(rank, world_size)
     _check_layout(layout)
     n = x.shape[dim]
+    if isinstance(layout, DocumentLayout):
+        if n != sum(layout.lengths):
+            raise ValueError(f"x has {n} tokens on dim {dim} but the layout's documents sum to {sum(layout.lengths)}")
+        return torch.cat([x.narrow(dim, g, m) for _, g, m in layout.segments(rank, world_size)], dim)
     pieces = world_size * _chunks_per_rank(layout)
     if n % pieces:
         raise ValueError(
@@ -141,6 +247,10 @@ def unshard_sequence(shards, layout: str = "contiguous", *, dim: int = -2) -> to
         raise TypeError("shards must be a non-empty list of tensors, one per rank in rank order")
     if layout == "contiguous":
         return torch.cat(list(shards), dim)
+    if isinstance(layout, DocumentLayout):
+        P = len(shards)
+        placed = sorted((g, r, local, m) for r in range(P) for local, g, m in layout.segments(r, P))
+        return torch.cat([shards[r].narrow(dim, local, m) for _, r, local, m in placed], dim)
     for r, s in enumerate(shards):
         if s.shape[dim] % 2:
             raise ValueError(
@@ -160,6 +270,8 @@ def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "con
     """
     rank, world_size = _check_rank(rank, world_size)
     _check_layout(layout)
+    if isinstance(layout, DocumentLayout):
+        return torch.cat([torch.arange(g, g + n, device=device) for _, g, n in layout.segments(rank, world_size)])
     pieces = world_size * _chunks_per_rank(layout)
     given: object = seq_len  # checked as the user may pass anything
     if isinstance(given, bool) or not isinstance(given, numbers.Integral) or int(given) % pieces:
@@ -320,7 +432,8 @@ _FIELDS = (
      "pass mask=masks.key_padding(keep) on every rank or on none (keep all True on a shard without padding), "
      "and masks.documents(ids) likewise"),
     ("causal", lambda c: str(bool(c)), "pass the same causal= on every rank (mask=masks.causal() counts as causal=True)"),
-    ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]), "pass the layout the shards were cut with, the same on every rank"),
+    ("layout", lambda c: "unused (not causal)" if c < 0 else repr(LAYOUTS[c]) if c < len(LAYOUTS) else f"DocumentLayout #{c:x}",
+     "pass the layout the shards were cut with, the same on every rank (a DocumentLayout of the same lengths)"),
     ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
     ("autograd", lambda c: ("does not record the graph", "records the graph")[c], "backward is a ring too, so every rank or none must record the graph: run every rank in the same grad mode, with the same inputs requiring grad"),
 )
@@ -334,7 +447,8 @@ def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> 
         _FORMAT, _PASSES.index(phase), B, H, k.shape[1], k.shape[2], D, v.shape[-1],
         _DTYPES.index(q.dtype), _pack_name(q.device.type), int(keep is not None) | (2 if spec.ids is not None else 0),
         spec.causal,
-        LAYOUTS.index(spec.layout) if spec.causal else -1, _float_bits(spec.scale), records_graph,
+        (spec.layout.code() if isinstance(spec.layout, DocumentLayout) else LAYOUTS.index(spec.layout))
+        if spec.causal else -1, _float_bits(spec.scale), records_graph,
     ]
 
 
@@ -436,17 +550,45 @@ def _unblock(block, has_keep: bool, has_ids: bool):
 
 
 def _pieces(q_segs, k_segs, causal, q, k, v, keep, q_ids=None, k_ids=None):
-    """(query rows, q, k, v, keep, diagonal, key rows, (q ids, k ids) or None) of each pair of
-    :func:`_block_pairs`."""
-    for (ql, _, qn), (kl, _, kn), diagonal in _block_pairs(q_segs, k_segs, causal):
+    """(query rows, q, k, v, keep, diagonal, key rows, (q ids, k ids) or None, (q global start,
+    k global start)) of each pair of :func:`_block_pairs`."""
+    for (ql, qg, qn), (kl, kg, kn), diagonal in _block_pairs(q_segs, k_segs, causal):
         yield (
             slice(ql, ql + qn), q[..., ql:ql + qn, :], k[..., kl:kl + kn, :], v[..., kl:kl + kn, :],
             None if keep is None else keep[:, kl:kl + kn], diagonal, slice(kl, kl + kn),
-            None if q_ids is None else (q_ids[:, ql:ql + qn], k_ids[:, kl:kl + kn]),
+            None if q_ids is None else (q_ids[:, ql:ql + qn], k_ids[:, kl:kl + kn]), (qg, kg),
         )
 
 
-def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None) -> _tiles.Tiles:
+def _at_offsets(part: _masks.Mask, qg: int, kg: int) -> _masks.Mask:
+    """A position-dependent part (window, chunked_local, alibi) of a whole-sequence self-attention
+    mask, for one block pair whose queries start at global position ``qg`` and keys at ``kg``:
+    the same rule written on global positions (query q_idx + qg, key kv_idx + kg)."""
+    if isinstance(part, _masks.Window):
+        left, right, sinks = part.left, part.right, part.sinks
+
+        def window_at(b, h, q_idx, kv_idx):
+            d = (kv_idx + kg) - (q_idx + qg)
+            near = (d <= right) if right is not None else torch.ones_like(d, dtype=torch.bool)
+            inside = near & (d >= -left) if left is not None else near
+            return inside | ((kv_idx + kg < sinks) & near) if sinks else inside
+        return _masks.mask_mod(window_at)
+    if isinstance(part, _masks.ChunkedLocal):
+        chunk = part.chunk
+
+        def chunk_at(b, h, q_idx, kv_idx):
+            return (kv_idx + kg) // chunk == (q_idx + qg) // chunk
+        return _masks.mask_mod(chunk_at)
+    assert isinstance(part, _masks.ALiBi)
+    slopes = part.slopes
+
+    def alibi_at(score, b, h, q_idx, kv_idx):
+        dist_ = ((kv_idx + kg) - (q_idx + qg)).abs().to(score.dtype)
+        return score - slopes.to(score.dtype)[h] * dist_
+    return _masks.score_mod(alibi_at, tensors=(slopes,))
+
+
+def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None, kinds=(), at=(0, 0)) -> _tiles.Tiles:
     """The tile kernel's problem for q (B, H, n, D) against one key segment k (B, Hkv, m, D),
     v (B, Hkv, m, Dv), with key padding ``keep`` (B, m) or None, document ids ``(q ids (B|1, n),
     k ids (B|1, m))`` or None, causal when ``diagonal`` (the segments hold the same positions,
@@ -457,31 +599,38 @@ def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None) -> _tile
         mask = docs if mask is None else docs & mask
     if diagonal:
         mask = _masks.causal() if mask is None else _masks.causal() & mask
+    mods = []
+    for part in kinds:  # the position-dependent and score-mod parts, in the mask's written order
+        placed = part if isinstance(part, _masks.Softcap) else _at_offsets(part, *at)
+        if placed.score_mods:
+            mods.append(placed)
+        else:
+            mask = placed if mask is None else mask & placed
     groups = q.shape[1] // k.shape[1]
-    return _tiles.Tiles(q, k, v, mask, (), scale=scale, block_q=_chunked.default_block_q(groups),
+    return _tiles.Tiles(q, k, v, mask, (), mods, scale=scale, block_q=_chunked.default_block_q(groups),
                         block_k=_chunked.BLOCK_K, mask_shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
                         bf16=_tiles.bf16_products(q.dtype, q.device))
 
 
-def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None):
+def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None, kinds=(), at=(0, 0)):
     """Merge attention of q to one key segment into the running ``out`` and ``lse``, in place.
 
     q (B, H, n, D), k (B, Hkv, m, D), v (B, Hkv, m, Dv) as the caller has them; out
     (B, H, n, Dv) and lse (B, H, n) in the compute dtype accumulate over segments (lse = -inf:
     no visible key yet).
     """
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, at)
     block_out, block_lse = tiles.forward()
     merged_out, merged_lse = _tiles.merge([out, tiles.ungroup_rows(block_out)], [lse, tiles.ungroup_lse(block_lse)])
     out.copy_(merged_out)
     lse.copy_(merged_lse)
 
 
-def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None):
+def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None, kinds=(), at=(0, 0)):
     """Add this key segment's share of the gradients into dq (B, H, n, D) (local) and dk
     (B, Hkv, m, D), dv (B, Hkv, m, Dv) (the segment's), in place; out, lse, dout are the
     whole sequence's (compute dtype), so p = exp(s - lse) are the final softmax weights."""
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, at)
     dqs, dks, dvs, _, _ = tiles.backward(tiles.group_rows(out), tiles.group_lse(lse), tiles.group_rows(dout), None)
     dq += tiles.ungroup_rows(dqs)
     dk += dks.view(dk.shape)
@@ -491,20 +640,23 @@ def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, d
 class _Spec:
     """What the ring needs besides the tensors: the group, layout and masking choices."""
 
-    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float, ids: Optional[torch.Tensor] = None):
+    def __init__(self, ring: _Ring, causal: bool, layout: str, scale: float, ids: Optional[torch.Tensor] = None,
+                 kinds: tuple = ()):
         self.ring, self.causal, self.layout, self.scale = ring, causal, layout, scale
         #: this rank's (B|1, L/P) document ids (masks.documents), or None; they travel with the keys
         self.ids = ids
+        #: window, chunked_local, alibi and softcap parts, placed at each block pair's global positions
+        self.kinds = kinds
 
     def segments(self, owner: int, local_len: int):
-        if not self.causal:
+        if not self.causal and not self.kinds:
             return [(0, 0, local_len)]
-        return _segments(owner, self.ring.size, local_len, self.layout)
+        return _pieces_of(self.layout, owner, self.ring.size, local_len)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, spec: _Spec):
+    def forward(ctx, q, k, v, keep, spec: _Spec, sink=None):
         ring = spec.ring
         B, H, Lq, _ = q.shape
         cdt = compute_dtype(q.dtype)
@@ -518,19 +670,23 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:  # start passing the block on while computing with it
                 pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
-            for qsl, qb, kb, vb, kps, diagonal, _, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
-                                                                  q, block[0], block[1], kp, spec.ids, kids):
-                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids)
+            for qsl, qb, kb, vb, kps, diagonal, _, ids, at in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                      q, block[0], block[1], kp, spec.ids, kids):
+                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids, spec.kinds, at)
             if pending is not None:
                 block = pending.wait()
+        if sink is not None:  # the sink's exp(logit_h) joins each row's denominator once, after every block
+            merged = torch.logaddexp(lse, sink.to(cdt).view(1, -1, 1))
+            out.mul_(torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1))
+            lse = merged
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, keep, out, lse)
+        ctx.save_for_backward(q, k, v, keep, out, lse, sink)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, keep, out, lse = ctx.saved_tensors
+        q, k, v, keep, out, lse, sink = ctx.saved_tensors
         spec = ctx.spec
         ring = spec.ring
         _agree(ring, _describe(spec, q, k, v, keep, "backward", True))
@@ -551,10 +707,11 @@ class _RingAttention(torch.autograd.Function):
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
             dk = torch.zeros(block[0].shape, dtype=cdt, device=q.device)
             dv = torch.zeros(block[1].shape, dtype=cdt, device=q.device)
-            for qsl, qb, kb, vb, kps, diagonal, ksl, ids in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
-                                                                    q, block[0], block[1], kp, spec.ids, kids):
+            for qsl, qb, kb, vb, kps, diagonal, ksl, ids, at in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+                                                                        q, block[0], block[1], kp, spec.ids, kids):
                 _attend_block_backward(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl],
-                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids)
+                                       dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids,
+                                       spec.kinds, at)
             if pending_grad is not None:
                 dk_in, dv_in = pending_grad.wait()
                 dk, dv = dk + dk_in, dv + dv_in
@@ -564,17 +721,21 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:  # the last block's gradients are complete: send them home
             grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1).wait()
         dk, dv = grads_out
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[5]:  # d logit_h = -Σ_rows p_sink · (dout · out)
+            p_sink = torch.exp(sink.to(cdt).view(1, -1, 1) - lse)
+            dsink = -(p_sink * (dout * out).sum(-1)).sum(dim=(0, 2)).to(sink.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsink
 
 
 # ---------------------------------------------------------------------------------- public
-def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(has a causal part, the (B, Lk) keep tensor or None, the (B|1, Lk) document ids or None)
-    of a mask the ring can carry."""
+def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor], tuple]:
+    """(has a causal part, the (B, Lk) keep tensor or None, the (B|1, Lk) document ids or None,
+    the window / chunked_local / alibi / softcap parts in written order) of a mask the ring can carry."""
     m = _masks.as_mask(mask)
     if m is None:
-        return False, None, None
-    causal, keep, ids = False, None, None
+        return False, None, None, ()
+    causal, keep, ids, kinds = False, None, None, []
     for part in m.parts:
         if isinstance(part, _masks.Causal):
             causal = True
@@ -589,14 +750,60 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
                     f"sequence; got ids of shape {tuple(part.q_ids.shape)} for q {shape[2]} and k {shape[3]} tokens")
             part.check(shape, device)
             ids = part.q_ids
+        elif isinstance(part, (_masks.Softcap, _masks.Sink)) or (
+                isinstance(part, (_masks.Window, _masks.ChunkedLocal, _masks.ALiBi))
+                and not (isinstance(part, _masks.ALiBi) and part.slopes.dim() != 1)):
+            part.check(shape, device)
+            kinds.append(part)
         else:
             raise ValueError(
                 f"ring_attention takes mask=None, masks.key_padding(keep) with this rank's (B, Lk) "
-                f"shard of keep, masks.documents(ids) with this rank's shard of the ids, or masks.causal(); "
-                f"got {part!r}. A dense (Lq, Lk) mask or bias cannot travel with the key blocks: use "
-                "causal=True for causal attention and key_padding for padding"
+                f"shard of keep, masks.documents(ids) with this rank's shard of the ids, masks.causal(), "
+                f"window (with sinks), chunked_local, alibi ((H,) slopes) and softcap; got {part!r}. A dense "
+                "mask or bias cannot travel with the key blocks; multihead.ulysses.ulysses_attention takes "
+                "every mask kind (sink logits, score and mask mods, ...)"
             )
-    return causal, keep, ids
+    placed = [p for p in kinds if not isinstance(p, (_masks.Softcap, _masks.Sink))]
+    if placed and (ids is not None or shape[2] != shape[3]):
+        raise ValueError(
+            f"ring_attention places {placed[0]!r} by global positions, for self-attention of one sequence "
+            "(q and k cut alike) without documents; for windows or ALiBi inside packed documents use "
+            "multihead.ulysses.ulysses_attention")
+    return causal, keep, ids, tuple(kinds)
+
+
+def mask_signature(mask: Optional[_masks.Mask]) -> str:
+    """The kinds and parameters of ``mask`` that every rank must share (the shards of key padding
+    and document ids excepted): what the ranks compare before a ring or all-to-all call."""
+    if mask is None:
+        return "none"
+    parts = []
+    for p in mask.parts:
+        if isinstance(p, (_masks.KeyPadding, _masks.Documents)):
+            parts.append(p.kind)
+            continue
+        text = repr(p)
+        for name in ("slopes", "logits"):
+            t = getattr(p, name, None)
+            if isinstance(t, torch.Tensor):
+                text += f" {name}={zlib.crc32(t.detach().double().cpu().numpy().tobytes()):08x}"
+        parts.append(text)
+    return " & ".join(parts)
+
+
+def _agree_on(ring: _Ring, name: str, mine: str, fix: str, *, head: str) -> None:
+    """Every rank raises the same ValueError unless all sent the same ``mine`` (compared by crc32)."""
+    if ring.size == 1:
+        return
+    table = [row[0] for row in ring.all_gather([zlib.crc32(mine.encode())], what=f"comparing {name}")]
+    if len(set(table)) == 1:
+        return
+    groups: dict[int, list[int]] = {}
+    for r, c in enumerate(table):
+        groups.setdefault(c, []).append(r)
+    shown = "; ".join(_ranks(rs) + " agree" for rs in groups.values())
+    raise ValueError(f"{head}, rank {ring.rank} of {ring.size}: the ranks disagree on the {name} ({shown}; this "
+                     f"rank has {mine}), so nothing ran. Fix: {fix}.")
 
 
 def _check_timeout(timeout) -> None:
@@ -613,7 +820,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
     _check_timeout(timeout)
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
-    mask_causal, keep, ids = _split_mask(mask, (B, H, Lq, Lk), q.device)
+    mask_causal, keep, ids, kinds = _split_mask(mask, (B, H, Lq, Lk), q.device)
     causal = causal or mask_causal
     layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
     if causal and Lq != Lk:
@@ -626,7 +833,7 @@ def _check_call(q, k, v, mask, causal, scale, layout, timeout):
             f"a zigzag shard holds two equal chunks, so its length must be even, got {Lq}; "
             "pad the sequence to a multiple of 2P"
         )
-    return scale, causal, layout, keep, ids
+    return scale, causal, layout, keep, ids, kinds
 
 
 def ring_attention(
@@ -651,7 +858,11 @@ def ring_attention(
             padding (True = real token; it travels with the keys), and/or ``masks.documents(ids)``
             with ids (B|1, L/P) this rank's shard of packed documents' ids (they travel with the
             keys too; only tiles within a document are computed), optionally ``& masks.causal()``
-            (per document). Other masks raise ValueError.
+            (per document); sink logits (``masks.sink``, added to each row's denominator once,
+            after the ring; each rank's logits gradient is its rows' share); without documents
+            also window (with sinks), chunked_local, alibi ((H,) slopes) and softcap, applied at
+            each block pair's global positions. Other
+            masks raise ValueError (``multihead.ulysses.ulysses_attention`` takes every kind).
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         group: the process group whose ranks hold the shards (default: the whole world), in
@@ -682,14 +893,19 @@ def ring_attention(
     does waits ``timeout`` seconds, then raises :class:`RingError`.
     """
     try:  # the checks of this rank's own arguments
-        scale, causal, layout, keep, ids = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+        scale, causal, layout, keep, ids, kinds = _check_call(q, k, v, mask, causal, scale, layout, timeout)
+        sink = next((p.logits for p in kinds if isinstance(p, _masks.Sink)), None)
+        kinds = tuple(p for p in kinds if not isinstance(p, _masks.Sink))
     except (TypeError, ValueError):
         _announce_rejection(group, timeout)
         raise
-    spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids)
+    spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids, kinds)
     records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
-    return _RingAttention.apply(q, k, v, keep, spec)
+    _agree_on(spec.ring, "mask kinds and parameters", mask_signature(_masks.as_mask(mask)),
+              "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
+              head="ring_attention")
+    return _RingAttention.apply(q, k, v, keep, spec, sink)
 
 
 class ContextParallel(nn.Module):

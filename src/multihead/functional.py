@@ -21,7 +21,7 @@ from .backends import reference as _reference
 from .backends import sdpa as _sdpa
 from .heads import repeat_kv
 from .backends import BackendName
-from .masks import Mask, MaskLike, as_mask
+from .masks import Mask, MaskLike, as_mask, from_seqlens
 
 #: query heads or positions to select: a sequence of ints or a 1-D integer tensor
 Indices = Union[Sequence[int], torch.Tensor]
@@ -111,14 +111,105 @@ def attention(
 
     With ``dropout_p > 0`` the weights pass through ``torch.dropout(weights, dropout_p, True)``
     before ``@ v``.
+
+    Other layouts, as `torch.nn.functional.scaled_dot_product_attention` takes them:
+
+    * 3-D (N, L, E) inputs (one head) and more than 4-D (N, ..., H, L, E) ones; leading axes
+      broadcast between q, k, v and a tensor mask (broadcastable to (N, ..., H, Lq, Lk)); a
+      `multihead.masks` mask sees the leading axes flattened into one batch axis;
+    * jagged nested tensors (``torch.nested.as_nested_tensor(seqs, layout=torch.jagged)``
+      transposed to (B, H, j, D)): the sequences are packed into one row with
+      ``masks.from_seqlens`` (so ``masks.causal()`` applies per sequence, which torch's nested
+      SDPA does not take) and the output is nested the same way.
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (q, k, v)):
+        return _attention_nested(q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=backend, return_lse=return_lse)
+    if _needs_flattening(q, k, v):
+        return _attention_leading(q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=backend, return_lse=return_lse)
     q, k, v = autocast_inputs(q, k, v)
     m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
     if return_lse:
         return attend_with_lse(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
     return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
+
+
+def _needs_flattening(q: object, k: object, v: object) -> bool:
+    """3-D or more than 4-D inputs, all of one rank. (4-D inputs keep one batch size: a batch of 1
+    beside a batch of B is reported as a mistake; mixed ranks get check_qkv's error.)"""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False  # check_qkv names the one that is not a tensor
+    ranks = {q.dim(), k.dim(), v.dim()}
+    return len(ranks) == 1 and q.dim() >= 3 and q.dim() != 4
+
+
+def _attention_leading(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, *, scale: Optional[float],
+                       dropout_p: float, backend: BackendName,
+                       return_lse: bool) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`attention` of 3-D or >4-D inputs (SDPA's leading axes): flattened into (B, H, L, D),
+    computed, and shaped back."""
+    three = q.dim() == 3
+    q4, k4, v4 = (t.unsqueeze(-3) for t in (q, k, v)) if three else (q, k, v)
+    try:
+        lead = torch.broadcast_shapes(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        raise ValueError(f"the leading axes of q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not "
+                         "broadcast; they must be equal or 1 (as in scaled_dot_product_attention)") from None
+    flat = [t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (q4, k4, v4)]
+    m: MaskLike = mask
+    if isinstance(mask, torch.Tensor) and mask.dim() > 2:
+        target = (*lead, *(() if three else (q4.shape[-3],)), q.shape[-2], k.shape[-2])
+        try:
+            fits = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)  # type: ignore[no-untyped-call]
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, which does not broadcast to {target}, the "
+                             "scores' shape of these inputs")
+        full = mask.expand(target)
+        m = full.reshape(-1, 1, *target[-2:]) if three else full.reshape(-1, *target[-3:])
+    got = attention(flat[0], flat[1], flat[2], m, scale=scale, dropout_p=dropout_p, backend=backend,
+                    return_lse=return_lse)  # type: ignore[call-overload]
+    out, lse = got if return_lse else (got, None)
+    out = out.reshape(*lead, *out.shape[1:])
+    if three:
+        out = out.squeeze(-3)
+    if lse is None:
+        return out
+    lse = lse.reshape(*lead, *lse.shape[1:])
+    return out, (lse.squeeze(-2) if three else lse)
+
+
+def _attention_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, *, scale: Optional[float],
+                      dropout_p: float, backend: BackendName,
+                      return_lse: bool) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`attention` of jagged nested (B, H, j, D) inputs: packed into one row of documents."""
+    parts = []
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not (isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged and t.dim() == 4):
+            raise TypeError(f"{name} must be a jagged nested tensor (B, H, j, D) like q, e.g. torch.nested."
+                            "as_nested_tensor(seqs, layout=torch.jagged).transpose(1, 2) with seqs (L_i, H, D); "
+                            f"got {type(t).__name__} {getattr(t, 'layout', '')}")
+        parts.append(t.unbind())  # B tensors (H, L_i, D)
+    qs, ks, vs = parts
+    if not len(qs) == len(ks) == len(vs):
+        raise ValueError(f"q, k, v hold {len(qs)}, {len(ks)} and {len(vs)} sequences; give one per batch row each")
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError("a nested input takes a multihead.masks mask (e.g. masks.causal(), masks.window(8)), which "
+                        "applies to each sequence; a tensor mask has no place in a jagged batch")
+    lq, lk = [t.shape[1] for t in qs], [t.shape[1] for t in ks]
+    docs = from_seqlens(lq, None if lk == lq else lk, device=qs[0].device)
+    packed = [torch.cat(list(ts), dim=1).unsqueeze(0) for ts in (qs, ks, vs)]  # (1, H, sum L, D)
+    got = attention(packed[0], packed[1], packed[2], docs if mask is None else docs & mask, scale=scale,
+                    dropout_p=dropout_p, backend=backend, return_lse=return_lse)  # type: ignore[call-overload]
+    out, lse = got if return_lse else (got, None)
+
+    def nest(x: torch.Tensor) -> torch.Tensor:  # (1, H, sum Lq, ...) -> nested (B, H, j, ...)
+        seqs = [c.transpose(0, 1) for c in x[0].split_with_sizes(lq, dim=1)]  # (L_i, H, ...)
+        return torch.nested.as_nested_tensor(seqs, layout=torch.jagged).transpose(1, 2)
+
+    return nest(out) if lse is None else (nest(out), nest(lse))
 
 
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float,

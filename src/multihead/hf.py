@@ -32,7 +32,8 @@ What comes along:
   a :class:`multihead.rope.RoPE` with the base and the scaling of the attention's config
   (``config.rope_parameters`` in transformers 5, ``rope_theta`` and ``rope_scaling`` in 4.x).
   Scaling types ("rope_type"): "default", "linear" and "llama3"; any other (dynamic, yarn,
-  longrope, ...) is refused by name, and so is a partial rotation (``partial_rotary_factor``).
+  longrope, ...) is refused by name; a partial rotation (``partial_rotary_factor``, StableLM, Phi)
+  of a layer that applies one (``rotary_ndims``) rotates those first coordinates (``rope_dim``).
   Positions start at 0, or at the cache length with a :class:`multihead.KVCache`, as in the
   model's own generation. Transformers computes its cos/sin in float32 whatever the model's
   dtype; multihead in float64, so the two agree to float32 precision.
@@ -202,7 +203,8 @@ def _from_llama(module: nn.Module) -> tuple:
             f"q_proj has {q_out} and k_proj {kv_out} outputs, not multiples of head_dim={head_dim}"
         )
     _check_scaling(module, head_dim)
-    norms = [n for n in ("q_norm", "k_norm") if isinstance(getattr(module, n, None), nn.Module)]
+    norms = [n for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm") if isinstance(getattr(module, n, None), nn.Module)]
+    norms = norms if getattr(module, "qk_layernorm", True) else []  # StableLM builds them only with qk_layernorm
     if norms:
         raise ValueError(
             f"{type(module).__name__} normalises each head of q and k ({', '.join(norms)}) before RoPE, which "
@@ -262,10 +264,12 @@ def _rope_settings(module: nn.Module) -> dict:
             "(multihead.integrations.transformers), which keeps the model's own RoPE"
         )
     partial = params["partial_rotary_factor"]
-    if partial is not None and float(partial) != 1.0:
+    rope_dim = getattr(module, "rotary_ndims", None)  # StableLM, Phi: the first rotary_ndims coordinates turn
+    if rope_dim is None and partial is not None and float(partial) != 1.0:
         raise ValueError(
-            f"{name} rotates only part of each head (partial_rotary_factor={partial}); MultiHeadAttention's "
-            "RoPE rotates the whole head dim"
+            f"{name}'s config has partial_rotary_factor={partial} but the layer has no rotary_ndims (it rotates "
+            "whole heads, and its own forward cannot run that config); from_hf reads a partial rotation from "
+            "layers that apply one (StableLM, Phi)"
         )
 
     def need(key):
@@ -279,7 +283,7 @@ def _rope_settings(module: nn.Module) -> dict:
     elif rope_type == "llama3":
         scaling = RoPEScaling("llama3", need("factor"), need("low_freq_factor"), need("high_freq_factor"),
                               need("original_max_position_embeddings"))
-    return {"rope": True, "rope_base": params["rope_theta"], "rope_scaling": scaling}
+    return {"rope": True, "rope_base": params["rope_theta"], "rope_scaling": scaling, "rope_dim": rope_dim}
 
 
 # ---------------------------------------------------------------------------- state dicts

@@ -1697,8 +1697,9 @@ class ALiBi(Mask):
                 ) from None
         if not slopes.is_floating_point():
             raise TypeError(f"alibi slopes must be floating, got {slopes.dtype}; use masks.alibi_slopes(H)")
-        if slopes.dim() != 1:
-            raise ValueError(f"alibi slopes must be (H,), one per query head, got shape {tuple(slopes.shape)}")
+        if slopes.dim() not in (1, 2):
+            raise ValueError(f"alibi slopes must be (H,), one per query head, or (B, H), one per sequence and head "
+                             f"(flash-attn's alibi_slopes), got shape {tuple(slopes.shape)}")
         self.slopes = slopes
         #: the largest |slope|, held to the compute dtype's range by `_probe`
         self._largest = 0.0
@@ -1712,7 +1713,8 @@ class ALiBi(Mask):
         d = rows.diagonal(self.align).to(device)  # (B|1, n)
         j = torch.arange(k0, k1, device=device)
         dist = (j - d.unsqueeze(-1)).abs().unsqueeze(1).to(dtype)  # (B|1, 1, n, bk)
-        return -self.slopes.to(device=device, dtype=dtype).view(1, -1, 1, 1) * dist
+        slopes = self.slopes.to(device=device, dtype=dtype)
+        return -(slopes[:, :, None, None] if slopes.dim() == 2 else slopes.view(1, -1, 1, 1)) * dist  # (B|1, H, n, bk)
 
     def _build(self, shape: Shape, *, device: torch.device, dtype: torch.dtype, rows: Optional[_Rows] = None) -> _Built:
         assert rows is not None
@@ -1724,13 +1726,18 @@ class ALiBi(Mask):
         return None, self._rows_bias(rows, k0, k1, device, dtype)
 
     def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
-        return (1, shape[1], shape[2], shape[3])
+        return (shape[0] if self.slopes.dim() == 2 else 1, shape[1], shape[2], shape[3])
 
     def _check(self, shape: Shape, device: torch.device, name: str) -> None:
-        if self.slopes.shape[0] != shape[1]:
+        if self.slopes.shape[-1] != shape[1]:
             raise ValueError(
-                f"{name} (alibi) has {self.slopes.shape[0]} slopes but the call has H={shape[1]} query heads; "
+                f"{name} (alibi) has {self.slopes.shape[-1]} slopes but the call has H={shape[1]} query heads; "
                 f"give one slope per query head, e.g. masks.alibi_slopes({shape[1]})"
+            )
+        if self.slopes.dim() == 2 and self.slopes.shape[0] != shape[0]:
+            raise ValueError(
+                f"{name} (alibi) has slopes for {self.slopes.shape[0]} sequences (B, H) but the call has B={shape[0]}; "
+                "give one row of slopes per sequence, or (H,) slopes shared by the batch"
             )
         if self.slopes.device != device:
             raise ValueError(f"{name} (alibi) slopes are on {self.slopes.device} but the query is on {device}; move them with .to()")
@@ -1739,9 +1746,10 @@ class ALiBi(Mask):
         _check_in_range(self._largest, dtype, f"{name} (alibi) slopes")
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{s:.4g}" for s in self.slopes.detach().cpu().tolist()[:4])
-        more = ", ..." if self.slopes.shape[0] > 4 else ""
-        return f"alibi(H={self.slopes.shape[0]}, slopes=[{shown}{more}], align={self.align!r})"
+        shown = ", ".join(f"{s:.4g}" for s in self.slopes.detach().cpu().flatten().tolist()[:4])
+        more = ", ..." if self.slopes.numel() > 4 else ""
+        rows = f"B={self.slopes.shape[0]}, " if self.slopes.dim() == 2 else ""
+        return f"alibi({rows}H={self.slopes.shape[-1]}, slopes=[{shown}{more}], align={self.align!r})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -2010,7 +2018,8 @@ def sink(logits: torch.Tensor) -> Mask:
 
 def alibi(slopes: Union[torch.Tensor, Sequence[float]], *, align: str = "bottom_right") -> Mask:
     """ALiBi: ``-slope_h · |j - d_i|`` added to the scores, ``slopes`` (H,) one per query head
-    (`alibi_slopes` gives BLOOM's and MPT's), d_i the query's diagonal key (per document).
+    (`alibi_slopes` gives BLOOM's and MPT's) or (B, H) one per sequence and head (flash-attn's
+    ``alibi_slopes`` of shape (batch, nheads)), d_i the query's diagonal key (per document).
 
     >>> import torch
     >>> from multihead import masks

@@ -88,7 +88,7 @@ from .backends import BackendName
 from .cache import KVCache
 from .config import AttentionConfig, _resolved
 from .heads import _merge_heads, _split_heads
-from .rope import RoPE, RoPEScaling, rotate_half
+from .rope import RoPE, RoPEScaling
 from . import hf as _hf, interop as _interop, per_head as _per_head
 
 __all__ = ["MultiHeadAttention"]
@@ -100,16 +100,14 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     the cos/sin tables picked by indexing, so no position is read on the host (a compiled step
     keeps one graph, and each row of a padded batch gets its own positions). The rotation is the
     line of `RoPE.__call__`; only the table lookup differs (RoPE reads max(positions))."""
-    if torch.compiler.is_compiling():  # no table (and no bound): the float64 angles of the positions
-        half = positions.to(torch.float64).unsqueeze(-1) * rope.inv_freq.to(positions.device)
-        angles = torch.cat((half, half), dim=-1)  # the table's rows for these positions, bit for bit
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if torch.compiler.is_compiling():  # no table and no bound: the angles of the positions themselves
+        cos, sin = rope.cos_sin_at(positions, device=x.device, dtype=x.dtype)
     else:
         cos, sin = rope.cos_sin(bound, device=x.device, dtype=x.dtype)
         cos, sin = cos[positions], sin[positions]  # (L, D) or (B, L, D)
     if positions.dim() == 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
-    return x * cos + rotate_half(x) * sin
+    return rope.rotate(x, cos, sin)
 
 
 def _linear(lin: nn.Module, x: torch.Tensor, plain: bool) -> torch.Tensor:
@@ -235,6 +233,10 @@ class MultiHeadAttention(nn.Module):
         rope_scaling: a `multihead.rope.RoPEScaling` rule for the RoPE frequencies
             (linear or llama3), or None. With ``rope`` a RoPE object, its base and scaling are
             used, and ``rope_base``/``rope_scaling`` must be left out or agree with them.
+        rope_interleaved: GPT-J's interleaved layout (pairs 2i, 2i+1). With ``rope`` a RoPE
+            object, its own layout is used.
+        rope_dim: rotate only the first ``rope_dim`` coordinates of each head (GPT-NeoX, Phi);
+            None: all of them.
         device: of the projections' parameters.
         dtype: of the projections' parameters.
 
@@ -262,6 +264,8 @@ class MultiHeadAttention(nn.Module):
         rope: Union[bool, RoPE] = False,
         rope_base: float = 10000.0,
         rope_scaling: Optional[RoPEScaling] = None,
+        rope_interleaved: bool = False,
+        rope_dim: Optional[int] = None,
         device: Device = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -270,12 +274,14 @@ class MultiHeadAttention(nn.Module):
         if isinstance(rope, RoPE):
             rope_obj, rope_flag = rope, True
             rope_base, rope_scaling = _settings_of(rope, rope_base, rope_scaling)
+            rope_interleaved, rope_dim = rope.interleaved, (None if rope.rotary_dim == rope.head_dim else rope.rotary_dim)
         else:
             rope_flag = rope  # AttentionConfig checks it is True or False
         cfg = AttentionConfig(
             d_in=d_in, num_heads=num_heads, d_out=d_out, num_kv_heads=num_kv_heads, kdim=kdim,
             vdim=vdim, bias=bias, dropout=dropout, causal=causal, backend=backend,
             rope=rope_flag, rope_base=rope_base, rope_scaling=rope_scaling,
+            rope_interleaved=rope_interleaved, rope_dim=rope_dim,
         )
         if rope_obj is not None and rope_obj.head_dim != cfg.head_dim:
             raise ValueError(
@@ -284,7 +290,8 @@ class MultiHeadAttention(nn.Module):
             )
         self.config = cfg
         if rope_obj is None and cfg.rope:
-            rope_obj = RoPE(cfg.head_dim, cfg.rope_base, scaling=cfg.rope_scaling)
+            rope_obj = RoPE(cfg.head_dim, cfg.rope_base, scaling=cfg.rope_scaling,
+                            interleaved=cfg.rope_interleaved, rotary_dim=cfg.rope_dim)
         self.rope = rope_obj
         factory = {"device": device, "dtype": dtype}
         d_out = _resolved(cfg.d_out)
@@ -791,7 +798,7 @@ class MultiHeadAttention(nn.Module):
                 where = {"positions": "shard", "count": positions.numel()}
             else:
                 where = {"positions": "offset", "start": int(positions), "stop": int(positions) + q.shape[2] - 1}
-            params = {**where, "base": float(rope.base), "layout": "rotate-half"}
+            params = {**where, "base": float(rope.base), "layout": "interleaved" if rope.interleaved else "rotate-half"}
             tr.record(_steps.ROPE, q, role="Q", params=params)
             tr.record(_steps.ROPE, k, role="K", params=params)
         return q, k

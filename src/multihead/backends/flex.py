@@ -208,7 +208,7 @@ def _alibi(slopes: torch.Tensor, diagonal: torch.Tensor) -> ScoreMod:
 
     def alibi(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         d = diagonal[b if per_batch else 0, q]
-        return s - slopes[h] * (kv - d).abs().to(s.dtype)
+        return s - (slopes[b, h] if slopes.dim() == 2 else slopes[h]) * (kv - d).abs().to(s.dtype)
     return alibi
 
 

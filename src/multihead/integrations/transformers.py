@@ -45,6 +45,8 @@ bool (B|1, 1|H, Lq, Lk)     ``masks.keep(mask)`` (True = may attend, as in trans
 float, additive             entries ≤ finfo(dtype).min / 2 (eager's ``finfo.min``, or -inf) block
                             the key (``masks.keep``); any other non-zero entries are a
                             ``masks.bias`` added to the scores
+flex ``BlockMask``          ``backends.flex.from_block_mask(mask, B, H)``: its mask_mod, with
+                            its tiles as the plan (what transformers' flex path passes)
 ==========================  =====================================================================
 
 Rows with no visible key. Eager attention fills blocked scores with ``finfo(dtype).min``; a row
@@ -68,6 +70,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..backends import BackendName
+from ..backends import flex as _flex
 from .. import masks as _masks
 from ..trace import current as _current_trace
 from .._progress import Progress, progress
@@ -102,7 +105,8 @@ def register(name: str = NAME, *, backend: BackendName = "auto") -> str:
 
 
 def to_mask(
-    attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_causal: bool, softcap: Optional[float] = None
+    attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_causal: bool, softcap: Optional[float] = None,
+    batch: Optional[int] = None, heads: Optional[int] = None,
 ) -> Optional[_masks.Mask]:
     """A multihead mask from what transformers passes to an attention function (table above).
 
@@ -110,8 +114,14 @@ def to_mask(
     (a static cache's mask may be longer than the keys; it is cut to the first Lk columns).
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``) squashes the scores before the mask is
     added, as eager does: a float mask's bias is added after the cap (a score mod after
-    `masks.softcap`), its blocked entries select.
+    `masks.softcap`), its blocked entries select. A flex-attention ``BlockMask`` (what
+    transformers' flex path passes) becomes `multihead.backends.flex.from_block_mask` of it,
+    its tiles kept as the mask's plan; ``batch``/``heads``: the call's B and H, for a block mask
+    made to broadcast over them.
     """
+    if _is_block_mask(attention_mask):
+        from_bm: _masks.Mask = _flex.from_block_mask(attention_mask, B=batch, H=heads)  # type: ignore[arg-type]
+        return from_bm if softcap is None else _masks.softcap(softcap) & from_bm
     mask = _to_mask(attention_mask, lq, lk, is_causal=is_causal, softcap=softcap)
     if softcap is None:
         return mask
@@ -119,13 +129,22 @@ def to_mask(
     return capped if mask is None else capped & mask
 
 
+def _is_block_mask(x: object) -> bool:
+    """Whether ``x`` is torch's flex-attention BlockMask (imported only when flex is available)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # a torch without flex attention has no BlockMask to pass
+        return False
+    return isinstance(x, BlockMask)
+
+
 def _to_mask(attention_mask, lq: int, lk: int, *, is_causal: bool, softcap) -> Optional[_masks.Mask]:
     if attention_mask is None:
         return _masks.causal(align="top_left") if is_causal and lq > 1 else None
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
-            f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}; "
-            "flex-attention BlockMasks are not supported by multihead"
+            f"attention_mask must be a torch.Tensor, a flex-attention BlockMask or None, got "
+            f"{type(attention_mask).__name__}"
         )
     if attention_mask.dim() != 4:
         raise ValueError(
@@ -201,7 +220,7 @@ def attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(is_causal),
-                   softcap=kwargs.get("softcap"))
+                   softcap=kwargs.get("softcap"), batch=query.shape[0], heads=H)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         mask = _masks.sink(sinks) if mask is None else mask & _masks.sink(sinks)

@@ -1,0 +1,119 @@
+"""The ring carries window (with sinks), chunked_local, ALiBi and softcap (each block pair
+applies them at its global positions) and sink logits (once per row, after the ring; their
+gradient summed over the ranks). 2 gloo processes over a FileStore (no port) against
+single-process ``multihead.attention`` at float64, outputs and the gradients of q, k, v
+(1e-12: the same products, merged in another order); and ranks passing different windows all
+raise a named ValueError."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import multihead as mh
+from multihead import masks
+from multihead.distributed import ring_attention, shard_sequence, unshard_sequence
+
+P = 2
+F64 = 1e-12
+SLOPES = masks.alibi_slopes(4)
+CASES = {
+    "window_sinks_causal": (lambda kp: masks.causal() & masks.window(3, sinks=2), "zigzag"),
+    "chunked_causal_padding": (lambda kp: masks.causal() & masks.chunked_local(4) & masks.key_padding(kp), "zigzag"),
+    "alibi_softcap": (lambda kp: masks.alibi(SLOPES) & masks.softcap(2.0), "contiguous"),
+    "window_both_sides_padding": (lambda kp: masks.window(2, 3) & masks.key_padding(kp), "contiguous"),
+}
+
+
+LOGITS = torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64)
+
+
+def tensors(name):
+    g = torch.Generator().manual_seed(len(name))
+    L = 16
+    q = torch.randn(2, 4, L, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, 4, L, 8, generator=g, dtype=torch.float64)
+    keep = torch.rand(2, L, generator=g) > 0.3
+    keep[:, 0] = True
+    return q, k, v, dout, keep
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, P), rank=rank, world_size=P)
+    res: dict = {}
+    try:
+        for name, (build, layout) in CASES.items():
+            q, k, v, dout, keep = tensors(name)
+            qs, ks, vs = (shard_sequence(t, rank, P, layout).requires_grad_() for t in (q, k, v))
+            o = ring_attention(qs, ks, vs, build(shard_sequence(keep, rank, P, layout, dim=-1)), layout=layout)
+            o.backward(shard_sequence(dout, rank, P, layout))
+            res[name] = (o.detach(), qs.grad, ks.grad, vs.grad)
+        q, k, v, dout, keep = tensors("sink")
+        qs, ks, vs = (shard_sequence(t, rank, P, "zigzag").requires_grad_() for t in (q, k, v))
+        logits = LOGITS.clone().requires_grad_()
+        o = ring_attention(qs, ks, vs, masks.causal() & masks.sink(logits) & masks.key_padding(
+            shard_sequence(keep, rank, P, "zigzag", dim=-1)), layout="zigzag")
+        o.backward(shard_sequence(dout, rank, P, "zigzag"))
+        res["sink"] = (o.detach(), qs.grad, ks.grad, vs.grad, logits.grad)
+        x = torch.randn(1, 2, 4, 8)
+        try:
+            ring_attention(x, x, x, masks.window(2 + rank), timeout=30)
+            res["disagree"] = "no error"
+        except ValueError as e:
+            res["disagree"] = str(e)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        res["error"] = traceback.format_exc()
+    torch.save(res, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ring_kinds")
+    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=P, join=True)
+    got = [torch.load(f"{tmp / 'out'}.{r}") for r in range(P)]
+    for r in range(P):
+        assert "error" not in got[r], got[r]["error"]
+    return got
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_ring_carries_the_kind_and_equals_one_process(ranks, name):
+    build, layout = CASES[name]
+    q, k, v, dout, keep = tensors(name)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    want = mh.attention(q, k, v, build(keep))
+    want.backward(dout)
+    for i, ref in enumerate((want.detach(), q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(unshard_sequence([ranks[r][name][i] for r in range(P)], layout), ref,
+                                   rtol=0, atol=F64)
+
+
+def test_sink_logits_travel_once_per_row_with_their_gradient(ranks):
+    q, k, v, dout, keep = tensors("sink")
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    logits = LOGITS.clone().requires_grad_()
+    want = mh.attention(q, k, v, masks.causal() & masks.sink(logits) & masks.key_padding(keep))
+    want.backward(dout)
+    for i, ref in enumerate((want.detach(), q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(unshard_sequence([ranks[r]["sink"][i] for r in range(P)], "zigzag"), ref,
+                                   rtol=0, atol=F64)
+    torch.testing.assert_close(sum(ranks[r]["sink"][4] for r in range(P)), logits.grad, rtol=0, atol=F64)
+
+
+def test_ranks_with_different_windows_all_raise(ranks):
+    for r in range(P):
+        assert "disagree on the mask kinds and parameters" in ranks[r]["disagree"]
+
+
+def test_kinds_the_ring_cannot_place_are_refused_by_name():
+    x = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="ulysses_attention takes every mask kind"):
+        ring_attention(x, x, x, masks.bias(torch.zeros(4, 4)))
+    with pytest.raises(ValueError, match="inside packed documents use"):
+        ring_attention(x, x, x, masks.window(2) & masks.documents(torch.zeros(1, 4, dtype=torch.long)))
