@@ -716,3 +716,17 @@ def test_cli_model_directory_with_a_broken_config_is_one_line_and_exit_2(tmp_pat
     assert cli_main(["explain", "--model", str(tmp_path)], stdout=out, stderr=err) == 2
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and "config.json" in lines[0], lines
+
+
+@pytest.mark.parametrize("backend", backends.names())
+def test_a_batch_of_one_beside_a_batch_of_b_is_refused_with_the_fix(backend):
+    """Issue 21, defect 9: SDPA and flex broadcast k, v of batch 1 against q of batch B; 4-D
+    inputs here must share B, and the refusal names the view that makes it so, which then runs."""
+    q, k, v = qkv(torch.float64, B=3)
+    k1, v1 = k[:1], v[:1]
+    with pytest.raises(ValueError, match=r"k\.expand\(3, -1, -1, -1\)"):
+        multihead.attention(q, k1, v1, backend=backend)
+    got = attention_or_refusal(backend, q, k1.expand(3, -1, -1, -1), v1.expand(3, -1, -1, -1))
+    if got is not None:
+        want = multihead.attention(q, k1.repeat(3, 1, 1, 1), v1.repeat(3, 1, 1, 1), backend="reference")
+        assert (got - want).abs().max() <= 1e-12

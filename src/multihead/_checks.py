@@ -58,6 +58,15 @@ def check_same_dtype_device(ref: torch.Tensor, ref_name: str, **others: torch.Te
             )
 
 
+def _broadcast_hint(B: int, Bx: int, name: str) -> str:
+    """The fix for a batch of 1 beside a batch of B, which SDPA and FlexAttention broadcast in 4-D."""
+    if Bx == 1:
+        return f" (4-D inputs do not broadcast a batch of 1 here: pass {name}.expand({B}, -1, -1, -1), a view)"
+    if B == 1:
+        return f" (4-D inputs do not broadcast a batch of 1 here: pass q.expand({Bx}, -1, -1, -1), a view)"
+    return ""
+
+
 def check_qkv(q, k, v=None) -> None:
     """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), H a multiple of Hkv.
 
@@ -76,6 +85,7 @@ def check_qkv(q, k, v=None) -> None:
     if Bk != B:
         raise ValueError(
             f"batch sizes differ: q has B={B}, k has B={Bk}; q, k and v must share the batch axis (dim 0)"
+            + _broadcast_hint(B, Bk, "k")
         )
     if Dk != D:
         raise ValueError(
@@ -88,6 +98,7 @@ def check_qkv(q, k, v=None) -> None:
     if Bv != B:
         raise ValueError(
             f"batch sizes differ: q has B={B}, v has B={Bv}; q, k and v must share the batch axis (dim 0)"
+            + _broadcast_hint(B, Bv, "v")
         )
     if Hv != Hkv:
         raise ValueError(f"k has Hkv={Hkv} heads but v has {Hv}; k and v must have the same heads")

@@ -269,8 +269,8 @@ class RoPE:
                                  f"(0 .. {lmax - 1}); give longer tables")
             cached = self._tables.get(key)
             if cached is None:
-                cached = tuple(_spread(t, self.interleaved).to(device=key[0], dtype=dtype) for t in self.given)  # type: ignore[assignment]
-                self._tables[key] = cached  # type: ignore[assignment]
+                cached = tuple(_spread(t, self.interleaved).to(device=key[0], dtype=dtype) for t in self.given)
+                self._tables[key] = cached
             assert cached is not None
             return cached[0][offset:end], cached[1][offset:end]
         if torch.compiler.is_compiling():
