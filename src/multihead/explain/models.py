@@ -161,7 +161,8 @@ class ModelInfo:
 
     kind: "decoder" when every layer's mask was causal on the first run, else "encoder".
     rope: None, or {"type", "base"}: the rotary embedding of the config (the cos/sin themselves are
-    recorded per run, see :class:`LayerRecord`).
+    recorded per run, see :class:`LayerRecord`); for parameters per layer type (ModernBERT)
+    base is None and "per_type" ({layer type: its parameters}) and "layer_types" say them.
     """
 
     name: str
@@ -172,7 +173,7 @@ class ModelInfo:
     head_dim: int
     hidden: int
     rope: Optional[dict[str, Any]]
-    family: str   # "bert", "llama" (q_proj/k_proj/v_proj/o_proj) or "other"
+    family: str   # "bert", "llama" (q_proj/k_proj/v_proj/o_proj), "opt" (.../out_proj) or "other"
 
     @property
     def kv_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -196,6 +197,16 @@ class LayerRecord:
     out: (H, L, Dv) weights @ v.
     output: (L, d) the layer's output projection of the merged heads (None if unknown).
     module: the attention module (for :meth:`multihead.MultiHeadAttention.from_hf`).
+    softcap: the cap of the scores (Gemma 2's ``attn_logit_softcapping``: s -> cap·tanh(s / cap),
+        after the scale, before the mask), or None.
+    sinks: (H,) learned sink logits (gpt-oss: exp(sink_h) joins each row's softmax denominator), or None.
+    sliding_window: the window transformers passed with the call (its mask is in ``keep``), or None.
+    q_normed / k_normed: (H, L, D) / (Hkv, L, D) the projections after the layer's q/k norm and
+        before RoPE (Qwen 3, Gemma 3, OLMo 2), or None for a layer without one.
+    q_scale: the factor the layer multiplied q by right after its projection (OPT and BART fold
+        the scale into q and pass scaling=1), or None.
+    attention: the :class:`~multihead.explain.layer_attention.LayerAttention` of this layer:
+        what its mask, softcap, sinks, norm, scale and rotary embedding were.
     """
 
     hidden: Optional[torch.Tensor]
@@ -215,6 +226,13 @@ class LayerRecord:
     output: Optional[torch.Tensor] = None
     module: Any = field(default=None, repr=False)
     module_bias: bool = False   # whether the layer's projections have biases
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+    sliding_window: Optional[int] = None
+    q_normed: Optional[torch.Tensor] = None
+    k_normed: Optional[torch.Tensor] = None
+    q_scale: Optional[float] = None
+    attention: Any = field(default=None, repr=False)
 
     @property
     def causal(self) -> bool:
@@ -308,6 +326,9 @@ def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         "keep": keep[0], "bias": bias,
         "scale": float(default_scale(query.shape[-1]) if scaling is None else scaling),  # attention_forward's
         "scores": scores[0].detach(), "weights": weights[0].detach(), "out": out[0].transpose(0, 1).detach(),
+        "softcap": None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
+        "sinks": None if kwargs.get("s_aux") is None else kwargs["s_aux"].detach().float().flatten(),
+        "sliding_window": kwargs.get("sliding_window"),
     })
     return out, weights
 
@@ -324,7 +345,8 @@ def _scores(tr: Any) -> torch.Tensor:
 
 def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     """(module, family, output projection or None) of every attention layer whose projections
-    multihead knows: Llama-family (q_proj, k_proj, v_proj, o_proj) and BERT-family
+    multihead knows: Llama-family (q_proj, k_proj, v_proj, o_proj), OPT/BART-family (q_proj, k_proj,
+    v_proj, out_proj) and BERT-family
     (query, key, value; the output projection is the parent's ``output.dense``)."""
     from ..hf import _has_linears, _is_linear
 
@@ -332,6 +354,8 @@ def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     for name, m in net.named_modules():
         if _has_linears(m, ("q_proj", "k_proj", "v_proj", "o_proj")):
             found.append((m, "llama", m.o_proj))
+        elif _has_linears(m, ("q_proj", "k_proj", "v_proj", "out_proj")):
+            found.append((m, "opt", m.out_proj))
         elif _has_linears(m, ("query", "key", "value")):
             parent = net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else net
             dense = getattr(getattr(parent, "output", None), "dense", None)
@@ -361,8 +385,10 @@ class RealModel:
         self.name, self.title, self.tokenizer, self.net = name, title, tokenizer, net.eval()
         config = net.config
         text_config = getattr(config, "get_text_config", lambda: config)()
-        if getattr(text_config, "is_encoder_decoder", False):
-            raise ModelError(f"--model {name}: an encoder-decoder model; explain runs encoders or decoders")
+        if getattr(config, "is_encoder_decoder", False) or getattr(text_config, "is_encoder_decoder", False):
+            # the top config says so for T5Gemma, whose text config is the decoder's
+            raise ModelError(f"--model {name}: an encoder-decoder model (T5, BART, T5Gemma); explain runs encoders "
+                             "or decoders, and does not show cross-attention yet")
         heads = getattr(text_config, "num_attention_heads", None)
         layers = getattr(text_config, "num_hidden_layers", None)
         hidden = getattr(text_config, "hidden_size", None)
@@ -374,7 +400,10 @@ class RealModel:
         head_dim = getattr(text_config, "head_dim", None) or hidden // heads
         rope = None
         params = getattr(text_config, "rope_parameters", None)
-        if params:
+        if params and all(isinstance(v, dict) for v in params.values()):   # per layer type (ModernBERT)
+            rope = {"type": "per layer type", "base": None, "per_type": dict(params),
+                    "layer_types": tuple(getattr(text_config, "layer_types", None) or ())}
+        elif params:
             rope = {"type": params.get("rope_type", "default"), "base": params.get("rope_theta")}
         families = {f for _, f, _ in _attention_modules(net)}
         family = families.pop() if len(families) == 1 else "other"
@@ -434,22 +463,36 @@ class RealModel:
 
     def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
                 out_proj: Any) -> LayerRecord:
+        from .layer_attention import describe
+
         module = call.pop("module")
         D = call["q"].shape[-1]
-        q_proj = k_proj = output = None
+        q_proj = k_proj = output = q_normed = k_normed = q_scale = None
         cos = sin = wq = None
         if pos is not None:
             cos, sin = (t[0].detach() for t in pos)
         if hidden is not None and family is not None:
             x = hidden[0].detach()
-            wq, wk = (module.q_proj, module.k_proj) if family == "llama" else (module.query, module.key)
+            wq, wk = (module.query, module.key) if family == "bert" else (module.q_proj, module.k_proj)
             with torch.no_grad():
                 q_proj, k_proj = _split(wq(x), D), _split(wk(x), D)
+                q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+                if isinstance(q_norm, torch.nn.Module) and isinstance(k_norm, torch.nn.Module):
+                    # the norm runs on (L, n, D), each head's vector on its own, as the layer does it
+                    q_normed = q_norm(q_proj.transpose(0, 1)).transpose(0, 1)
+                    k_normed = k_norm(k_proj.transpose(0, 1)).transpose(0, 1)
+                folded = getattr(module, "scaling", None)
+                if (call["scale"] == 1.0 and isinstance(folded, float) and folded != 1.0
+                        and torch.equal(_split(wq(x) * folded, D), call["q"])):
+                    q_scale = folded    # OPT, BART: q = q_proj(x) * scaling, and the call's scaling is 1
                 if out_proj is not None:
                     output = out_proj(call["out"].transpose(0, 1).reshape(x.shape[0], -1))
         bias = wq is not None and wq.bias is not None
-        return LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
-                           cos=cos, sin=sin, output=output, module=module, module_bias=bias, **call)
+        rec = LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
+                          cos=cos, sin=sin, output=output, module=module, module_bias=bias, q_normed=q_normed,
+                          k_normed=k_normed, q_scale=q_scale, **call)
+        rec.attention = describe(rec)
+        return rec
 
 
 def _register() -> None:
@@ -467,8 +510,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
 
 def _load(model: str) -> RealModel:
     """The model of a name of :data:`MODELS` (kept for the process: there are few) or of a
-    resolved directory (the last few kept, so that many small models do not pile up)."""
-    return _load_named(model) if model in MODELS else _load_directory(model)
+    resolved directory (the last few kept, so that many small models do not pile up; keyed on the
+    directory's files, their sizes and modification times, so that a model saved again is read again)."""
+    return _load_named(model) if model in MODELS else _load_directory(model, _stamp(model))
 
 
 def _open(model: str) -> RealModel:
@@ -493,6 +537,10 @@ def _open(model: str) -> RealModel:
         if cls is None:
             raise ModelError(f"--model {model}: transformers has no AutoModel for its model_type "
                              f"{getattr(config, 'model_type', '?')!r}")
+        modality = _modality(config, cls)
+        if modality is not None:
+            raise ModelError(f"--model {model}: {getattr(config, 'model_type', '?')} is {modality} model; explain "
+                             "runs text models (it reads a sentence's tokens)")
         if not cls.is_backend_compatible():
             raise ModelError(f"--model {model}: {cls.__name__}'s attention cannot run through multihead (it does not "
                              "call transformers' AttentionInterface); BERT-, Llama-, GPT-2-style models do")
@@ -514,14 +562,38 @@ def _open(model: str) -> RealModel:
                          f"({str(e).splitlines()[0][:160]})") from None
 
 
+def _modality(config: Any, cls: Any) -> Optional[str]:
+    """"an image" / "an audio" / "a text-image" ... when the model does not read token ids alone."""
+    sub = [m for m, key in (("image", "vision_config"), ("audio", "audio_config")) if getattr(config, key, None)]
+    if sub:
+        return f"a text-{sub[0]}" if getattr(config, "text_config", None) else f"an {sub[0]}"
+    main = getattr(cls, "main_input_name", "input_ids")
+    if main == "pixel_values":
+        return "an image"
+    if main in ("input_values", "input_features"):
+        return "an audio"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _load_named(model: str) -> RealModel:
     return _open(model)
 
 
 @functools.lru_cache(maxsize=4)
-def _load_directory(path: str) -> RealModel:
+def _load_directory(path: str, stamp: tuple[tuple[str, int, int], ...]) -> RealModel:
     return _open(path)
+
+
+def _stamp(path: str) -> tuple[tuple[str, int, int], ...]:
+    """Every file of the directory with its size and modification time: a model saved again into
+    the same directory has another stamp, so it is loaded again."""
+    out = []
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            out.append((f.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def load(model: str) -> RealModel:
