@@ -29,7 +29,7 @@ import multihead  # noqa: E402
 from multihead import masks  # noqa: E402
 from multihead.cli import main  # noqa: E402
 from multihead.explain import checks, models  # noqa: E402
-from multihead.explain.neuron import neuron_view, render_text  # noqa: E402
+from multihead.explain.neuron import neuron_html, neuron_view, render_text  # noqa: E402
 from multihead.explain.real_model import explain_model, layer_trace, layer_walkthrough, model_summary  # noqa: E402
 from tiny_hf import SENTENCE, save_tiny  # noqa: E402
 
@@ -146,10 +146,11 @@ def test_why3_the_neuron_view_gives_the_models_weights(runs, kind):
         view = neuron_view(run, layer, 1, 6)
         assert (view.weights - rec.weights[1, 6].double()).abs().max() <= _bound(rec)
         text = render_text(view)
+        page = html.unescape(neuron_html(view))
         if kind == "gemma2":
-            assert "softcap" in text and "1.5·tanh(s / 1.5)" in text
+            assert "softcap" in text and "1.5·tanh(s / 1.5)" in text and "1.5·tanh(s / 1.5)" in page
         else:
-            assert "sink" in text
+            assert "sink" in text and f"takes {view.sink_mass:.3f} of the row" in page
             sink_mass = 1 - view.weights.sum().item()
             assert sink_mass > 0.01
             assert f"{sink_mass:.3f}" in text
@@ -348,3 +349,10 @@ def test_rope_lines_only_for_rotary_models(tmp_path):
     path = save_tiny("bert", tmp_path / "bert")
     text = render_text(neuron_view(models.load(path).run(SENTENCE), 0, 1, 3))
     assert "RoPE" not in text and "rotate_half" not in text
+
+
+def test_a_too_long_text_is_refused_with_the_limit_and_why(dirs):
+    long = " ".join(["the cat sat on the mat ."] * 9)     # 63 tokens
+    rc, out, err = cli("--model", dirs["llama"], "--text", long)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"the views fit {models.MAX_TOKENS}" in err and "(L, L) weights" in err

@@ -416,8 +416,9 @@ class RealModel:
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         L = ids.shape[1]
         if L > MAX_TOKENS:
-            raise ModelError(f"--text has {L} tokens for {self.title}; the views fit {MAX_TOKENS}: "
-                             "use a shorter sentence")
+            raise ModelError(f"--text has {L} tokens for {self.title}; the views fit {MAX_TOKENS}: they draw every "
+                             "layer's (L, L) weights of every head, one cell per pair, which past that neither reads "
+                             "on a screen nor stays light in a page; use a shorter sentence")
         if L < 2:
             raise ModelError(f"--text gives {L} token for {self.title}; give a sentence of at least two tokens")
         return self.tokenizer.convert_ids_to_tokens(ids[0].tolist()), ids

@@ -289,10 +289,12 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
     with k_j, q ⊙ k_j (a colored cell per head dim; hover for the value), the sum q·k_j, the
     scaled score and the weight as a number and a bar."""
     tok = view.tokens[view.token]
+    cap_th = f" → {view.softcap:g}·tanh(s / {view.softcap:g})" if view.softcap is not None else ""
     top_qk = max(view.q.abs().max().item(), view.k.abs().max().item())
     top_p = view.products.abs().max().item()
     head = (f"<tr><th></th><th>{_w('token', lang)}</th><th class=v>{_w('k', lang)}</th><th class=v>{_w('qk', lang)}</th>"
-            f"<th>{_w('sum', lang)}</th><th>{_w('scaled', lang)} {view.scale:.4g}</th><th class=w>{_w('weight', lang)}</th></tr>")
+            f"<th>{_w('sum', lang)}</th><th>{_w('scaled', lang)} {view.scale:.4g}{cap_th}</th><th class=w>{_w('weight', lang)}</th></tr>")
+    final = view.scaled if view.capped is None else view.capped
     rows = [f'<tr class="q"><td>q</td><td class="tok">{view.token} {escape(tok)}</td><td>{_vec(view.q, top_qk)}</td>'
             f'<td colspan="4"></td></tr>']
     for j, t in enumerate(view.tokens):
@@ -301,7 +303,7 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
             rows.append(
                 f'<tr class="key"><td>{j}</td><td class="tok">{escape(t)}</td><td>{_vec(view.k[j], top_qk)}</td>'
                 f'<td>{_vec(view.products[j], top_p)}</td><td class="num">{view.dots[j].item():+.3f}</td>'
-                f'<td class="num">{view.scaled[j].item():+.3f}</td><td class="num w">{w:.3f} '
+                f'<td class="num">{final[j].item():+.3f}</td><td class="num w">{w:.3f} '
                 f'<span class="bar" style="width:{round(w * 80)}px"></span></td></tr>')
         else:
             rows.append(f'<tr class="blocked"><td>{j}</td><td class="tok">{escape(t)}</td><td></td><td></td>'
@@ -316,8 +318,17 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
                   f"<tr><th>sin</th><td>{_vec(r.sin[i], 1.0)}</td></tr>"
                   f"<tr><th>{escape(_w('after', lang))}</th><td>{_vec(view.q, top_r)}</td></tr></table>")
     title = _w("title", lang, model=view.model, layer=view.layer, head=view.head, token=view.token, tok=tok)
+    a = view.attention
+    said = [_scale_text(view, lang)]
+    if a is not None and a.qk_norm:
+        said.append(_w("qk_norm", lang))
+    if view.softcap is not None:
+        said.append(_w("softcap", lang, cap=f"{view.softcap:g}"))
+    if view.sink is not None:
+        said.append(_w("sink", lang, head=view.head, logit=view.sink, mass=view.sink_mass))
+    steps_p = "".join(f"<p>{escape(line)}</p>" for line in said)
     return (f'<div class="mh-neuron" lang="{lang}"><style>{_CSS}</style><h3>{escape(title)}</h3>'
-            f"<p>{escape(_group_line(view, lang))}. {escape(_w('html_intro', lang))}</p>{rotary}"
+            f"<p>{escape(_group_line(view, lang))}. {escape(_w('html_intro', lang))}</p>{steps_p}{rotary}"
             f"<table>{head}{''.join(rows)}</table></div>")
 
 
