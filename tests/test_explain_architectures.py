@@ -356,3 +356,39 @@ def test_a_too_long_text_is_refused_with_the_limit_and_why(dirs):
     rc, out, err = cli("--model", dirs["llama"], "--text", long)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert f"the views fit {models.MAX_TOKENS}" in err and "(L, L) weights" in err
+
+
+# ---------------------------------------------------------------------------- cross-attention
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory):
+    path = save_tiny("bart", tmp_path_factory.mktemp("bart") / "bart")
+    return path, models.load(path).run(SENTENCE)
+
+
+def test_an_encoder_decoder_shows_its_three_kinds_of_attention(bart):
+    path, run = bart
+    assert [r.role for r in run.layers] == ["encoder", "encoder", "decoder", "cross", "decoder", "cross"]
+    assert [r.attention.mask for r in run.layers] == ["bidirectional", "bidirectional", "causal", "bidirectional",
+                                                      "causal", "bidirectional"]
+    eager = transformers.BartModel.from_pretrained(path, attn_implementation="eager").eval()
+    ids = torch.tensor([run.ids])
+    with torch.no_grad():
+        out = eager(input_ids=ids, decoder_input_ids=ids, output_attentions=True)
+    want = [*out.encoder_attentions, *[w for pair in zip(out.decoder_attentions, out.cross_attentions) for w in pair]]
+    for rec, w in zip(run.layers, want):
+        assert (rec.weights - w[0]).abs().max() <= _bound(rec)
+        # cross-attention: the keys are the encoder output's projection
+        if rec.role == "cross":
+            assert rec.memory is not None and rec.memory.shape == out.encoder_last_hidden_state[0].shape
+            assert torch.equal(rec.k_proj, rec.k)   # k_proj(encoder output) is the k the layer passed
+    text = "\n".join(model_summary(run))
+    assert "encoder self-attention" in text and "decoder self-attention" in text and "cross-attention" in text
+    rc, out_text, err = cli("--model", path, "--text", SENTENCE)
+    assert rc == 0 and "cross-attention" in out_text, err
+    view = neuron_view(run, 3, 1, 4)
+    assert torch.equal(view.k, run.layers[3].k[1].double())
+    assert "encoder" in render_text(view)
+    found = checks.chain_checks(layer_trace(run, 3))
+    assert found and all(c.ok for c in found)
+    page = _page_data(explain_model(path, SENTENCE).html())
+    assert "cross-attention" in page["maps"][3]["title"]

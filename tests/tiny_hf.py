@@ -66,6 +66,10 @@ def _build(kind: str):
             vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
             max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, initializer_range=0.2,
             pad_token_id=3, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)), True
+    if kind == "bart":        # an encoder-decoder: encoder self, decoder causal self, decoder -> encoder cross
+        return tf.BartModel(tf.BartConfig(vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2,
+                                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                                          decoder_ffn_dim=48, max_position_embeddings=64, init_std=0.2)), False
     if kind == "vit":         # an image model (its directory also holds a tokenizer)
         return tf.ViTModel(tf.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                         intermediate_size=48, image_size=8, patch_size=4)), True
@@ -73,7 +77,7 @@ def _build(kind: str):
 
 
 #: the kinds :func:`save_tiny` builds
-KINDS = ("bert", "llama", "mistral", "gemma2", "gpt_oss", "qwen3", "opt", "modernbert", "vit")
+KINDS = ("bert", "llama", "mistral", "gemma2", "gpt_oss", "qwen3", "opt", "modernbert", "bart", "vit")
 
 
 def save_tiny(kind: str, path) -> str:

@@ -207,6 +207,10 @@ class LayerRecord:
         the scale into q and pass scaling=1), or None.
     attention: the :class:`~multihead.explain.layer_attention.LayerAttention` of this layer:
         what its mask, softcap, sinks, norm, scale and rotary embedding were.
+    role: "self" (a model of one sequence), or in an encoder-decoder "encoder" (the encoder's
+        self-attention), "decoder" (the decoder's causal self-attention) or "cross" (decoder
+        queries, keys and values from the encoder's output).
+    memory: (Lk, d) the keys' input of a cross-attention layer (the encoder's output), else None.
     """
 
     hidden: Optional[torch.Tensor]
@@ -233,6 +237,8 @@ class LayerRecord:
     k_normed: Optional[torch.Tensor] = None
     q_scale: Optional[float] = None
     attention: Any = field(default=None, repr=False)
+    role: str = "self"
+    memory: Optional[torch.Tensor] = None
 
     @property
     def causal(self) -> bool:
@@ -363,6 +369,39 @@ def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     return found
 
 
+def _attention_like(net: Any) -> list[str]:
+    """Modules named like attention layers (``attn``/``attention`` ending their name, not inside
+    another one): what an encoder-decoder's layers are, known or not."""
+    names = [n for n, _ in net.named_modules()
+             if n.rsplit(".", 1)[-1].lower().endswith(("attn", "attention")) and n.rsplit(".", 1)[-1] != "attention_mask"]
+    return [n for n in names if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+#: the roles of an attention call: one sequence's own attention, or an encoder-decoder's three kinds
+ROLES = ("self", "encoder", "decoder", "cross")
+
+
+def _roles(net: Any) -> dict[int, str]:
+    """id(module) -> role (:data:`ROLES`) of every known attention module: in an encoder-decoder,
+    "cross" for the decoder's attention to the encoder (``encoder_attn``, ``cross_attn``),
+    "decoder" for the decoder's own, "encoder" for the encoder's; "self" in other models."""
+    modules = {id(m) for m, _, _ in _attention_modules(net)}
+    names = {id(m): n for n, m in net.named_modules() if id(m) in modules}
+    encdec = bool(getattr(net.config, "is_encoder_decoder", False))
+    out = {}
+    for key, name in names.items():
+        last = name.rsplit(".", 1)[-1]
+        if not encdec:
+            out[key] = "self"
+        elif last in ("encoder_attn", "cross_attn", "crossattention", "EncDecAttention"):
+            out[key] = "cross"
+        elif name.startswith("decoder") or ".decoder." in f".{name}":
+            out[key] = "decoder"
+        else:
+            out[key] = "encoder"
+    return out
+
+
 def _split(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(L, n*D) -> (n, L, D)."""
     return t.view(t.shape[0], -1, head_dim).transpose(0, 1)
@@ -373,7 +412,8 @@ def _hook_inputs(rec: dict[str, Any], net: Any) -> list[Any]:
 
     def pre(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"))
+        memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))   # cross-attention's keys
+        rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"), memory)
 
     return [m.register_forward_pre_hook(pre, with_kwargs=True) for m, _, _ in _attention_modules(net)]
 
@@ -385,12 +425,18 @@ class RealModel:
         self.name, self.title, self.tokenizer, self.net = name, title, tokenizer, net.eval()
         config = net.config
         text_config = getattr(config, "get_text_config", lambda: config)()
-        if getattr(config, "is_encoder_decoder", False) or getattr(text_config, "is_encoder_decoder", False):
-            # the top config says so for T5Gemma, whose text config is the decoder's
-            raise ModelError(f"--model {name}: an encoder-decoder model (T5, BART, T5Gemma); explain runs encoders "
-                             "or decoders, and does not show cross-attention yet")
+        # the top config says so for T5Gemma, whose text config is the decoder's
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False)
+                                    or getattr(text_config, "is_encoder_decoder", False))
         heads = getattr(text_config, "num_attention_heads", None)
         layers = getattr(text_config, "num_hidden_layers", None)
+        if self.encoder_decoder:
+            known = _attention_modules(net)
+            if not known or len(known) != sum(1 for _ in _attention_like(net)):
+                raise ModelError(f"--model {name}: an encoder-decoder model whose attention layout multihead does not "
+                                 "record (T5's relative position bias, say); BART-like models (q_proj, k_proj, v_proj, "
+                                 "out_proj) and T5Gemma are shown with their cross-attention")
+            layers = len(known)   # every attention call: encoder self, decoder self, cross
         hidden = getattr(text_config, "hidden_size", None)
         if not all(isinstance(x, int) for x in (heads, layers, hidden)):
             raise ModelError(f"--model {name}: its config has no num_attention_heads, num_hidden_layers and "
@@ -407,6 +453,7 @@ class RealModel:
             rope = {"type": params.get("rope_type", "default"), "base": params.get("rope_theta")}
         families = {f for _, f, _ in _attention_modules(net)}
         family = families.pop() if len(families) == 1 else "other"
+        self.roles = _roles(net)
         self.info = ModelInfo(name, title, layers, heads, kv, head_dim, hidden, rope, family)
 
     def tokenize(self, text: str) -> tuple[list[str], torch.Tensor]:
@@ -440,7 +487,8 @@ class RealModel:
         _state.rec = rec
         try:
             with torch.no_grad():
-                self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                extra = {"decoder_input_ids": ids} if self.encoder_decoder else {}
+                self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra)
         except ValueError as e:  # what attention_forward refuses
             raise ModelError(f"--model {self.name}: its attention cannot run through multihead: "
                              f"{str(e).splitlines()[0]}") from None
@@ -458,12 +506,13 @@ class RealModel:
         records = []
         for call in calls:
             module = call["module"]
-            hidden, pos = rec["inputs"].get(id(module), (None, None))
-            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
+            hidden, pos, memory = rec["inputs"].get(id(module), (None, None, None))
+            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None)), memory=memory,
+                                        role=self.roles.get(id(module), "self")))
         return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
 
     def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
-                out_proj: Any) -> LayerRecord:
+                out_proj: Any, *, memory: Optional[torch.Tensor] = None, role: str = "self") -> LayerRecord:
         from .layer_attention import describe
 
         module = call.pop("module")
@@ -475,8 +524,9 @@ class RealModel:
         if hidden is not None and family is not None:
             x = hidden[0].detach()
             wq, wk = (module.query, module.key) if family == "bert" else (module.q_proj, module.k_proj)
+            kv_in = x if memory is None else memory[0].detach()   # cross-attention: keys from the encoder
             with torch.no_grad():
-                q_proj, k_proj = _split(wq(x), D), _split(wk(x), D)
+                q_proj, k_proj = _split(wq(x), D), _split(wk(kv_in), D)
                 q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
                 if isinstance(q_norm, torch.nn.Module) and isinstance(k_norm, torch.nn.Module):
                     # the norm runs on (L, n, D), each head's vector on its own, as the layer does it
@@ -491,7 +541,8 @@ class RealModel:
         bias = wq is not None and wq.bias is not None
         rec = LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
                           cos=cos, sin=sin, output=output, module=module, module_bias=bias, q_normed=q_normed,
-                          k_normed=k_normed, q_scale=q_scale, **call)
+                          k_normed=k_normed, q_scale=q_scale, role=role,
+                          memory=None if memory is None else memory[0].detach(), **call)
         rec.attention = describe(rec)
         return rec
 
@@ -542,7 +593,7 @@ def _open(model: str) -> RealModel:
         if modality is not None:
             raise ModelError(f"--model {model}: {getattr(config, 'model_type', '?')} is {modality} model; explain "
                              "runs text models (it reads a sentence's tokens)")
-        if not cls.is_backend_compatible():
+        if not cls.is_backend_compatible() and not getattr(config, "is_encoder_decoder", False):
             raise ModelError(f"--model {model}: {cls.__name__}'s attention cannot run through multihead (it does not "
                              "call transformers' AttentionInterface); BERT-, Llama-, GPT-2-style models do")
         if not any((Path(model) / f).is_file() for f in _TOKENIZER_FILES):

@@ -91,6 +91,7 @@ class NeuronView:
     capped: Optional[torch.Tensor] = None
     sink: Optional[float] = None
     attention: Any = None
+    role: str = "self"
 
     @property
     def sink_mass(self) -> float:
@@ -151,7 +152,7 @@ def neuron_view(run: RealRun, layer: int, head: int, token: int) -> NeuronView:
         token=token, tokens=tuple(run.tokens), q=q, k=k, products=products, dots=dots, scale=rec.scale,
         bias=bias, scaled=scaled, keep=keep, weights=weights, v=v, weighted=weighted, out=weighted.sum(0),
         model_scores=rec.scores[head, token].float(), model_weights=rec.weights[head, token].float(),
-        rotary=rotary, softcap=None if a is None else a.softcap, capped=capped, sink=sink, attention=a,
+        rotary=rotary, softcap=None if a is None else a.softcap, capped=capped, sink=sink, attention=a, role=rec.role,
     )
 
 
@@ -204,6 +205,8 @@ def render_text(view: NeuronView, lang: str = "en", *, dims: int = SHOWN_DIMS) -
              *_w("dims", lang, D=view.head_dim, n=n, rest=rest).split("\n"),
              f"  {'':<13} " + " ".join(f"{'d' + str(d):>7}" for d in shown) + (f" {_w('others', lang):>8}" if rest else "")]
     a = view.attention
+    if view.role == "cross":
+        lines.insert(2, _w("cross", lang))
     if a is not None and a.q_scale is not None:
         lines.insert(-1, _scale_text(view, lang))
     if a is not None and a.qk_norm:
@@ -319,7 +322,7 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
                   f"<tr><th>{escape(_w('after', lang))}</th><td>{_vec(view.q, top_r)}</td></tr></table>")
     title = _w("title", lang, model=view.model, layer=view.layer, head=view.head, token=view.token, tok=tok)
     a = view.attention
-    said = [_scale_text(view, lang)]
+    said = [_scale_text(view, lang)] + ([_w("cross", lang)] if view.role == "cross" else [])
     if a is not None and a.qk_norm:
         said.append(_w("qk_norm", lang))
     if view.softcap is not None:

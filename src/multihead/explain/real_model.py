@@ -208,6 +208,22 @@ def model_summary(real: RealRun, lang: str = "en") -> list[str]:
     from .layer_attention import lines as attention_lines
 
     info = real.info
+    roles = [r.role for r in real.layers]
+    if any(role != "self" for role in roles):   # an encoder-decoder: its three kinds of attention
+        lines = [_t("encdec", lang)]
+        for role in ("encoder", "decoder", "cross"):
+            ids = [i for i, r in enumerate(roles) if r == role]
+            if ids:
+                kinds = attention_lines([real.layers[i].attention for i in ids], lang)
+                what = kinds[0].split(": ", 1)[-1].split("：", 1)[-1] if len(kinds) == 1 or not kinds[1].startswith("  ") \
+                    else _t("mixed", lang)
+                lines.append("  " + _t("role_" + role, lang, layers=", ".join(map(str, ids)), mask=what))
+        found = attention_lines([r.attention for r in real.layers], lang)[1:]
+        found = [x for x in found if not x.startswith("  ")]
+        lines.append(_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups="; ".join(
+            _t("group", lang, j=j, qs=f"{g[0]}-{g[-1]}") for j, g in enumerate(info.kv_groups)))
+            if info.kv_heads < info.heads else _t("mha", lang, heads=info.heads, D=info.head_dim))
+        return [_fit(line) for line in lines + found]
     found = attention_lines([r.attention for r in real.layers], lang)
     lines = found[:1]
     if info.kv_heads < info.heads:
@@ -566,13 +582,20 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
     return [
         HeadMaps(
             weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
-            title=_t("layer_title", lang, model=name, layer=layer, text=text),
+            title=_t("layer_title", lang, model=name, layer=layer, text=text) + _role_title(layers, layer, lang),
             keep=None if keep is None or bool(keep[layer].all()) else keep[layer],
             head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
             **operands(layer),
         )
         for layer in range(weights.shape[0])
     ]
+
+
+def _role_title(layers: Optional[Sequence[LayerRecord]], layer: int, lang: str) -> str:
+    """" · cross-attention (decoder → encoder)" and the like for an encoder-decoder's layers, else ""."""
+    if layers is None or layers[layer].role == "self":
+        return ""
+    return " · " + _t("title_" + layers[layer].role, lang)
 
 
 def _page_parts(real: RealRun, *, model: str, layer: Optional[int], head: Optional[int], neuron: bool,
