@@ -520,11 +520,20 @@ MASK = StepKind(
 )
 def _sink_meaning(v: Mapping[str, Any], lang: str) -> str:
     logits = ", ".join(f"{x:.3g}" for x in v["logits"])
-    return (f"Attention sinks: head h's learned logit ({logits}) joins each row's softmax denominator as one more "
+    return (f"Attention sinks: head h's sink logit ({logits}) joins each row's softmax denominator as one more "
             "score that belongs to no key, so it takes part of every row's weight and the weights of the keys sum "
             "to less than 1." if lang == "en" else
-            f"注意力汇聚 sink：第 h 个头学到的 logit（{logits}）作为不属于任何键的一项加入每行 softmax 的分母，"
+            f"注意力汇聚 sink：第 h 个头的 sink 的 logit（{logits}）作为不属于任何键的一项加入每行 softmax 的分母，"
             "它分走每行的一部分权重，各键的权重之和小于 1。")
+
+
+def _softmax_meaning(v: Mapping[str, Any], lang: str) -> str:
+    if v.get("sink"):
+        return ("Turn each row of scores into weights: all >= 0, -inf gives 0, and each row sums to less than 1: "
+                "the sink's term in the denominator takes the rest." if lang == "en" else
+                "Softmax 归一化：每一行分数变成权重，全部非负，-inf 变成 0；每行之和小于 1：其余归分母中 sink 的那一项。")
+    return ("Turn each row of scores into weights: all >= 0, each row sums to 1, and -inf gives 0." if lang == "en"
+            else "Softmax 归一化：每一行分数变成权重，全部非负、每行和为 1，-inf 变成 0。")
 
 
 SINK = StepKind(
@@ -569,8 +578,7 @@ SCALE_Q = StepKind(
 SOFTMAX = StepKind(
     "softmax", "softmax", None, _SCORE_AXES,
     ("softmax", "Softmax 归一化"),
-    ("Turn each row of scores into weights: all >= 0, each row sums to 1, and -inf gives 0.",
-     "Softmax 归一化：每一行分数变成权重，全部非负、每行和为 1，-inf 变成 0。"),
+    _softmax_meaning,
     "softmax",
     checks=("rows sum to 1", "rows sum to at most 1 (a sink takes the rest)", "masked weights are exactly 0",
             "rows with no visible key are all 0", "equals softmax in float64"),

@@ -348,9 +348,9 @@ def _explain_module(module: torch.nn.Module, inputs: tuple[Any, ...], mask: Any,
     with torch.no_grad(), trace(keep_values=True, root=module) as tr:
         module(*inputs)
     if not tr.steps:
-        raise TypeError(f"{type(module).__name__} did not call multihead.attention (nothing was recorded): explain takes "
-                        "a multihead.MultiHeadAttention, a PerHeadAttention, a module that calls multihead.attention, "
-                        "or a multihead.Trace")
+        raise TypeError("explain takes a multihead.MultiHeadAttention (and its inputs), a PerHeadAttention, a module "
+                        f"that calls multihead.attention or a multihead.Trace, got {type(module).__name__}, which did not call "
+                        "multihead.attention (nothing was recorded)")
     return explain(tr)
 
 

@@ -180,7 +180,7 @@ _WORDS = {
     "page.worked_scaled": ("scaled", "缩放后"),
     "page.worked_softcap": ("softcap", "软上限"),
     "page.worked_sink": ("this head's sink logit {logit} joins every row's softmax denominator (rows sum to less than 1)",
-                         "该头的 sink logit {logit} 加入每行 softmax 的分母（每行之和小于 1）"),
+                         "该头 sink 的 logit {logit} 加入每行 softmax 的分母（每行之和小于 1）"),
     "page.model_view": ("Every layer and head", "所有层与所有头"),
     "page.model_view_intro": (
         "One thumbnail per head (columns) of every layer (rows), as in bertviz's model view: click one to show it "
@@ -259,7 +259,7 @@ _WORDS = {
     'model.walk.scale_q': ('   the layer multiplies q by {s:.6g} right after its projection (scale folded into q), so the scores are not scaled again; token {t}:',
         '   该层在投影之后立即把 q 乘以 {s:.6g}（缩放并入 q），所以分数不再缩放；token {t}：'),
     'model.walk.sink': ("   head {head}'s sink logit {logit:+.4f} joins row {t}'s softmax denominator: row {t} takes {taken:.4f} of the weight there, the keys the rest",
-        '   第 {head} 个头的 sink logit {logit:+.4f} 加入第 {t} 行 softmax 的分母：第 {t} 行有 {taken:.4f} 的权重归 sink，其余归各键'),
+        '   第 {head} 个头 sink 的 logit {logit:+.4f} 加入第 {t} 行 softmax 的分母：第 {t} 行有 {taken:.4f} 的权重归 sink，其余归各键'),
     'model.walk.group': ('   query head {head} reads key/value head {kv}, shared by query heads {group}',
         '   第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它'),
     'model.walk.row': ('   row {t} (query {tok!r}), one entry per key j:',

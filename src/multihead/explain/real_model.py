@@ -413,7 +413,7 @@ def layer_trace(real: RealRun, layer: int) -> Trace:
         tr.record(steps.MASK, scaled[None], params=_mask_params(a), extras={"keep": rec.keep[None]})
     if a.sinks is not None:
         tr.record(steps.SINK, scaled[None], params={"logits": list(a.sinks)})
-    tr.record(steps.SOFTMAX, rec.weights[None])
+    tr.record(steps.SOFTMAX, rec.weights[None], params={"sink": True} if a.sinks is not None else None)
     tr.record(steps.WEIGHTED_SUM, rec.out[None], params={"lk": L})
     back = rec.out.transpose(0, 1)[None]
     tr.record(steps.MOVE_HEADS_BACK, back)
