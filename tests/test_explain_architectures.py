@@ -394,3 +394,9 @@ def test_an_encoder_decoder_shows_its_three_kinds_of_attention(bart):
     assert found and all(c.ok for c in found)
     page = _page_data(explain_model(path, SENTENCE).html())
     assert "cross-attention" in page["maps"][3]["title"]
+
+
+def test_a_rotary_model_whose_projections_are_fused_says_the_rotation_is_not_shown(runs):
+    text = render_text(neuron_view(runs["modernbert"], 1, 0, 4))
+    assert "rotation itself is not shown" in text and "With RoPE, q = q_proj" not in text
+    assert runs["modernbert"].layers[1].q_proj is None

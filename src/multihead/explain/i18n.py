@@ -286,6 +286,8 @@ _WORDS = {
         '部分 RoPE，只旋转 {D} 维中的前 {r} 维：q[:{r}] = q_proj[:{r}] * cos + rotate_half(q_proj[:{r}]) * sin，q[{r}:] = q_proj[{r}:]（那里 cos 为 1，sin 为 0）：'),
     'neuron.qk_norm': ("q/k norm: q_proj and k_proj below are after the layer's RMSNorm of each head's vector (before RoPE).",
         'q/k norm：下面的 q_proj 和 k_proj 已经过该层对每个头向量的 RMSNorm（在 RoPE 之前）。'),
+    'neuron.rope_not_shown': ("q and k are after the model's rotary embedding; its projections are fused (not recorded), so the rotation itself is not shown",
+        'q 和 k 已经过模型的旋转位置编码；它的投影是融合的（未记录），所以这里不展示旋转本身'),
     'neuron.cross': ("cross-attention: q from the decoder's token, k and v from the encoder's output",
         '交叉注意力：q 来自解码器的 token，k 和 v 来自编码器的输出'),
     'neuron.scores': ('score_j = q · k_j = Σ_d q_d k_jd, one row per visible key j:',

@@ -92,6 +92,7 @@ class NeuronView:
     sink: Optional[float] = None
     attention: Any = None
     role: str = "self"
+    rope_not_shown: bool = False   # the model rotates q and k, but its projections were not recorded
 
     @property
     def sink_mass(self) -> float:
@@ -153,6 +154,7 @@ def neuron_view(run: RealRun, layer: int, head: int, token: int) -> NeuronView:
         bias=bias, scaled=scaled, keep=keep, weights=weights, v=v, weighted=weighted, out=weighted.sum(0),
         model_scores=rec.scores[head, token].float(), model_weights=rec.weights[head, token].float(),
         rotary=rotary, softcap=None if a is None else a.softcap, capped=capped, sink=sink, attention=a, role=rec.role,
+        rope_not_shown=rotary is None and run.info.rope is not None,
     )
 
 
@@ -211,6 +213,8 @@ def render_text(view: NeuronView, lang: str = "en", *, dims: int = SHOWN_DIMS) -
         lines.insert(-1, _scale_text(view, lang))
     if a is not None and a.qk_norm:
         lines.insert(-1, _w("qk_norm", lang))
+    if view.rope_not_shown:
+        lines.insert(-1, _w("rope_not_shown", lang))
     if view.rotary is not None:
         r = view.rotary
         i = view.token
@@ -323,6 +327,8 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
     title = _w("title", lang, model=view.model, layer=view.layer, head=view.head, token=view.token, tok=tok)
     a = view.attention
     said = [_scale_text(view, lang)] + ([_w("cross", lang)] if view.role == "cross" else [])
+    if view.rope_not_shown:
+        said.append(_w("rope_not_shown", lang))
     if a is not None and a.qk_norm:
         said.append(_w("qk_norm", lang))
     if view.softcap is not None:
