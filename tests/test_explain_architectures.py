@@ -300,7 +300,9 @@ def test_why9_the_notebook_output_embeds_q_and_k_of_the_shown_layer_only(tmp_pat
     cell = page._repr_html_()
     data = _page_data(html.unescape(re.search(r'srcdoc="(.*?)"', cell, re.S).group(1)))
     with_operands = [i for i, m in enumerate(data["maps"]) if m["q"] is not None]
-    assert with_operands == [2]
+    with_scores = [i for i, m in enumerate(data["maps"]) if m["scores"] is not None]
+    assert with_operands == with_scores == [2]
+    assert all(m["weights"] is not None for m in data["maps"])
     print(f"notebook cell: {len(cell.encode()) / 1024:.1f} KiB for 6 layers x 4 heads x {len(SENTENCE.split())} tokens")
     # the whole page (to a file) still holds every layer's operands
     full = _page_data(page.html())

@@ -196,7 +196,7 @@ def test_a_real_models_page_and_neuron_view_display_inline(executed):
     for layer, (m, rec) in enumerate(zip(data["maps"], real.layers)):
         assert torch.equal(torch.tensor(m["weights"], dtype=torch.float32), rec.weights.float())
         if layer != data["start"]:   # the cell embeds the operands of the layer it opens at only
-            assert m["q"] is None and m["k"] is None
+            assert m["q"] is None and m["k"] is None and m["scores"] is None
             continue
         assert torch.equal(torch.tensor(m["q"], dtype=torch.float32), rec.q.float())    # after RoPE
         assert torch.equal(torch.tensor(m["k"], dtype=torch.float32), rec.k.float())    # (Hkv = 2, L, D)

@@ -165,7 +165,10 @@ _WORDS = {
     "page.weights": ("Weights (after softmax)", "权重（softmax 之后）"),
     "page.query": ("query", "查询"),
     "page.key": ("key", "键"),
-    "page.no_scores": ("This source records no scores; only the weights are shown.", "该来源没有记录分数，只显示权重。"),
+    "page.no_scores": ("No scores here, only the weights: the source records none, or this is a notebook cell, which "
+                       "carries the scores of the layer it opens at only (the page written to a file has them all).",
+                       "这里没有分数，只有权重：该来源没有记录分数，或者这是笔记本单元格，它只带有打开时那一层的分数"
+                       "（写入文件的页面包含全部分数）。"),
     "page.checks": ("Checks the trace ran", "追踪中运行的检查"),
     "page.checks_none": ("No checks were recorded.", "没有记录检查。"),
     "page.hover": ("Hover over (or tap) a cell to read its value.", "将鼠标悬停（或轻点）在格子上查看数值。"),

@@ -545,8 +545,8 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
     with the scale, so the page works the score under the pointer out by hand. A layer that adds
     a bias to its scores gets no operands (q·k × scale is not its score). A layer that caps its
     scores (softcap) or has sinks carries them, and its scores are the capped ones (what the
-    softmax read). operand_layers: the layers whose q and k are embedded (None: every layer);
-    the notebook cell embeds only the layer it opens at, which keeps the cell light.
+    softmax read). operand_layers: the layers whose scores, q and k are embedded (None: every
+    layer); the notebook cell embeds only the layer it opens at, which keeps the cell lighter.
     """
     from .visual import HeadMaps
 
@@ -576,7 +576,7 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
         if rec.bias is not None:
             return {"scores": scaled + rec.bias, **extra}
         if operand_layers is not None and layer not in operand_layers:
-            return {"scores": scaled, **extra}
+            return extra   # the notebook cell: weights only, away from the layer it opens at
         return {"scores": scaled, "q": rec.q.float(), "k": rec.k.float(), "scale": rec.scale, **extra}
 
     return [
@@ -650,8 +650,8 @@ class ModelPage:
 
     run: the :class:`~multihead.explain.models.RealRun` shown; page: the whole HTML page (what
     ``multihead explain --model ... --format html`` writes: every layer's q and k for the worked
-    score). In Jupyter it displays inline (``_repr_html_``: a lighter page, with q and k only for
-    the layer it opens at, in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
+    score). In Jupyter it displays inline (``_repr_html_``: a lighter page, with the scores, q and k
+    only for the layer it opens at (every layer's weights), in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
     language switch stay out of the notebook).
     """
 
@@ -665,7 +665,7 @@ class ModelPage:
 
     @functools.cached_property
     def notebook_page(self) -> str:
-        """The page with q and k (the worked score's operands) of the opening layer only."""
+        """The page with the scores, q and k (the worked score's operands) of the opening layer only."""
         return _render(self.run, light=True, **self.options)
 
     def _repr_html_(self) -> str:
