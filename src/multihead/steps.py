@@ -6,7 +6,7 @@
     ...     _ = multihead.MultiHeadAttention(8, 2, backend="reference")(torch.randn(1, 3, 8))
     >>> s = tr.step(steps.SCALE)
     >>> s.kind.id, s.params["head_dim"], s.title("zh")
-    ('scale', 4, '缩放 × 1/√d')
+    ('scale', 4, '缩放')
 
 A :class:`StepKind` says what a step is: its id, the English name its label is built from, its
 einops pattern and axis names, its title and one-line meaning in English and Chinese, the note
