@@ -35,7 +35,8 @@ import torch
 from .._numerics import default_scale, is_default_scale
 from ..rope import rotate_half
 
-__all__ = ["LayerAttention", "describe", "rotary", "mask_kind", "mask_words", "lines", "MASKS"]
+__all__ = ["LayerAttention", "describe", "rotary", "mask_kind", "mask_words", "scale_words", "layer_words", "lines",
+           "MASKS"]
 
 #: the mask kinds :func:`mask_kind` tells apart
 MASKS = ("causal", "bidirectional", "window", "local", "chunked", "custom")
@@ -178,7 +179,8 @@ def scale_words(a: LayerAttention, lang: str = "en") -> str:
             f"分数 × {a.scale:.6g}（该层自己的缩放，如 Gemma 的 query_pre_attn_scalar；不是 1/√D = {default_scale(D):.6g}）")
 
 
-def _layers(ids: Sequence[int], lang: str) -> str:
+def layer_words(ids: Sequence[int], lang: str) -> str:
+    """"layer 0" / "layers 0, 2" / "第 0, 2 层"."""
     word = ("layer " if len(ids) == 1 else "layers ") if lang == "en" else "第 "
     tail = "" if lang == "en" else " 层"
     return word + ", ".join(map(str, ids)) + tail
@@ -208,7 +210,7 @@ def lines(attention: Sequence[LayerAttention], lang: str = "en") -> list[str]:
             ("layers differ:" if en else "各层不同：")
         out.append(what)
         for words, ids in groups.items():
-            out.append(f"  {_layers(ids, lang)}: {words}" if en else f"  {_layers(ids, lang)}：{words}")
+            out.append(f"  {layer_words(ids, lang)}: {words}" if en else f"  {layer_words(ids, lang)}：{words}")
     caps = sorted({a.softcap for a in attention if a.softcap is not None})
     if caps:
         cap = ", ".join(f"{c:g}" for c in caps)

@@ -205,7 +205,7 @@ def model_summary(real: RealRun, lang: str = "en") -> list[str]:
     layer is alike), softcap, sinks, q/k norm, the scale where it is not 1/√D on the scores, its
     heads and key/value heads (which query heads share which kv head), its rotary embedding
     (per layer type where the config gives one per type)."""
-    from .layer_attention import lines as attention_lines
+    from .layer_attention import layer_words, lines as attention_lines
 
     info = real.info
     roles = [r.role for r in real.layers]
@@ -217,7 +217,7 @@ def model_summary(real: RealRun, lang: str = "en") -> list[str]:
                 kinds = attention_lines([real.layers[i].attention for i in ids], lang)
                 what = kinds[0].split(": ", 1)[-1].split("：", 1)[-1] if len(kinds) == 1 or not kinds[1].startswith("  ") \
                     else _t("mixed", lang)
-                lines.append("  " + _t("role_" + role, lang, layers=", ".join(map(str, ids)), mask=what))
+                lines.append("  " + _t("role_" + role, lang, which=layer_words(ids, lang), mask=what))
         found = attention_lines([r.attention for r in real.layers], lang)[1:]
         found = [x for x in found if not x.startswith("  ")]
         lines.append(_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups="; ".join(
