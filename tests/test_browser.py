@@ -539,3 +539,38 @@ def test_neuron_section_shows_the_neuron_views_numbers_in_both_languages(open_pa
     finally:
         page.click("#lang-toggle")
     assert events["console_errors"] == []
+
+
+def test_a_softcapped_models_hover_caps_the_worked_score(open_page, tmp_path_factory):
+    """Gemma 2 (tiny, random; softcap 1.5, a sliding-window layer): the worked score goes on through
+    cap·tanh(s / cap), and the capped value is the score the panel shows (the one the softmax
+    read), within float32's rounding of a D-term dot product; the window's blocked cells are drawn."""
+    pytest.importorskip("transformers")
+    import math
+
+    import tiny_hf
+
+    from multihead.cli import main
+    from multihead.explain import models
+
+    tmp = tmp_path_factory.mktemp("tiny-gemma2")
+    path = tiny_hf.save_tiny("gemma2", tmp / "model")
+    out = tmp / "page.html"
+    argv = ["explain", "--model", path, "--text", tiny_hf.SENTENCE, "--format", "html", "--out", str(out),
+            "--layer", "0", "--head", "1"]
+    assert main(argv, stdout=open(tmp / "stdout", "w")) == 0
+    rec = models.load(path).run(tiny_hf.SENTENCE).layers[0]
+    page, events, url = open_page(out.read_text(encoding="utf-8"))
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    _hover(page, '#heat-scores .cell[data-q="5"][data-k="4"]')
+    box = page.eval_on_selector("#worked", "e => Object.assign({}, e.dataset, {hidden: e.hidden})")
+    text = page.eval_on_selector("#worked-text", "e => e.textContent")
+    assert box["hidden"] is False and "1.5·tanh(s / 1.5)" in text
+    shown = page.eval_on_selector('#heat-scores .cell[data-q="5"][data-k="4"]', "e => Number(e.dataset.v)")
+    q, k = rec.q[1, 5].double(), rec.k[0, 4].double()
+    D = q.numel()
+    bound = (D * 2 ** -23 * (q * k).abs().sum().item()) * rec.scale + 2 ** -22 * 1.5
+    assert abs(float(box["scaled"]) - shown) <= bound
+    assert abs(shown) < 1.5 and math.isfinite(shown)
+    blocked = page.eval_on_selector_all("#heat-weights .cell.blocked", "cells => cells.length")
+    assert blocked == int((~rec.keep[1]).sum())

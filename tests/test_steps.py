@@ -96,6 +96,31 @@ def _heads_by_hand():
     return tr, None, (x,), y
 
 
+def _real_layer(kind):
+    """Layer 0 of a tiny random transformers model (tests/tiny_hf.py) as the ``--token``
+    walkthrough records it: q/k norm (qwen3), the scale folded into q (opt), softcap (gemma2),
+    sinks (gpt_oss)."""
+    def run():
+        import tempfile
+
+        from multihead.explain import models
+        from multihead.explain.real_model import layer_trace
+        from tiny_hf import SENTENCE, save_tiny
+
+        path = save_tiny(kind, tempfile.mkdtemp(prefix=f"steps-{kind}-"))
+        return layer_trace(models.load(path).run(SENTENCE), 0), None, (), None
+    return run
+
+
+def _have_hf():
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "tokenizers"))
+
+
+#: the kinds only a real model's layer records (the ``--token`` walkthrough of explain --model)
+REAL_ONLY = {steps.QK_NORM, steps.SCALE_Q}
+
 PRODUCERS = {
     "self-causal": _self_causal,
     "cross-gqa": _cross_gqa,
@@ -108,6 +133,7 @@ PRODUCERS = {
     **{f"backend-{name}": _backend(name) for name in multihead.backends.names()},
     "functional": _functional_only,
     "heads-by-hand": _heads_by_hand,
+    **({f"real-{k}": _real_layer(k) for k in ("qwen3", "opt", "gemma2", "gpt_oss")} if _have_hf() else {}),
 }
 
 
@@ -125,7 +151,7 @@ def traces(runs):
 # ------------------------------------------------------------------------------ the catalogue itself
 def test_every_kind_is_recorded_by_some_producer(traces):
     recorded = {s.kind for tr in traces.values() for s in tr.steps}
-    assert recorded == set(steps.KINDS.values())
+    assert recorded == set(steps.KINDS.values()) - (set() if _have_hf() else REAL_ONLY)
 
 
 def test_every_recorded_step_carries_its_kinds_params_role_and_checks(traces):
@@ -167,7 +193,7 @@ def test_notes_are_written_from_params_not_recorded_as_text(traces):
     rope = traces["rope"].step(steps.ROPE, role="K")
     assert rope.params == {"positions": "offset", "start": 0, "stop": 3, "base": 10000.0, "layout": "rotate-half"}
     assert rope.note == "positions 0..3, base 10000, rotate-half layout"
-    assert rope.note_text("zh") == "位置 0..3，base 10000，rotate-half 布局"
+    assert rope.note_text("zh") == "位置 0..3，base 10000，rotate_half 布局"
     cache = traces["cache-rope"].step(steps.CACHE_APPEND, role="V")
     assert cache.params == {"length": 4, "max_len": 8, "kv_heads": 1, "new": 1}
     assert "4 of max_len=8" in cache.note and "已缓存 4 个 token" in cache.note_text("zh")
@@ -189,7 +215,7 @@ def test_the_cost_of_every_recorded_step_follows_its_rule(traces):
         assert len(costs) == len(tr.steps)
         for s, c in zip(tr.steps, costs):
             assert c.flops >= 0 and c.bytes >= 0
-            assert (c.bytes == 0) == (s.kind.cost in ("none", "view")), s.label
+            assert (c.bytes == 0) == (s.kind.cost in ("none", "view", "sink")), s.label
     # a fused step counts what the reference's steps count, less the score matrix's round trips
     ref, fused = traces["self-causal"], _backend("sdpa")()[0]
     ref_costs = {c.label: c for c in cost.trace_cost(ref)}

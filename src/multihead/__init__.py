@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .explain.explanation import explain
     from .diagnose import diagnose
+    from .explain.real_model import explain_model
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
@@ -64,14 +65,19 @@ __all__ = [
     "RoPE",
     "explain",
     "diagnose",
+    "explain_model",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """``multihead.explain``, imported on first use (``import multihead`` stays light: the
+    """``multihead.explain`` and ``multihead.explain_model``, imported on first use (``import multihead`` stays light: the
     walkthrough's renderers load only when asked for)."""
     if name in ("explain", "diagnose"):
         import importlib
 
         return importlib.import_module("." + name, __name__)  # the package is callable: explain(...), diagnose(...)
+    if name == "explain_model":   # a real model's page: multihead.explain_model("smollm2", "The cat sat.")
+        from .explain.real_model import explain_model
+
+        return explain_model
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@
     ...     _ = multihead.MultiHeadAttention(8, 2, backend="reference")(torch.randn(1, 3, 8))
     >>> s = tr.step(steps.SCALE)
     >>> s.kind.id, s.params["head_dim"], s.title("zh")
-    ('scale', 4, '缩放 × 1/√d')
+    ('scale', 4, '缩放')
 
 A :class:`StepKind` says what a step is: its id, the English name its label is built from, its
 einops pattern and axis names, its title and one-line meaning in English and Chinese, the note
@@ -59,6 +59,9 @@ __all__ = [
     "ADD_BIAS",
     "SCORE_MOD",
     "MASK",
+    "SINK",
+    "QK_NORM",
+    "SCALE_Q",
     "SOFTMAX",
     "DROPOUT",
     "WEIGHTED_SUM",
@@ -118,6 +121,10 @@ CHECKS: dict[str, str] = {
     "equals cap·tanh(s / cap) in float64": "等于 float64 计算的 cap·tanh(s / cap)",
     "mask is triu(ones, diagonal=1 + Lk - Lq) flipped": "掩码与 triu(ones, diagonal=1 + Lk - Lq) 取反一致",
     "equals softmax in float64": "等于 float64 计算的 softmax",
+    "is exactly scores × the scale": "恰好等于 注意力分数 × 缩放因子",
+    "is exactly q_proj × the folded scale": "恰好等于 q_proj × 并入的缩放因子",
+    "equals the rotary formula in float64": "等于 float64 计算的旋转公式",
+    "each row's weights and its sink sum to 1": "每行的权重加上 sink 所占之和为 1",
     "each weight is 0 or weight / (1 - p)": "每个权重为 0 或 原权重 / (1 - p)",
     "equals weights × V in float64": "等于 float64 计算的 权重 × 值",
     "equals merged × W_Oᵀ in float64": "等于 float64 计算的 拼接结果 × W_Oᵀ",
@@ -137,6 +144,8 @@ COST_RULES: dict[str, str] = {
     "rope": "3 FLOPs per element (x·cos + rotate_half(x)·sin); reads x and the cos/sin rows, writes n",
     "scores": "2·n·D FLOPs; reads q and k, writes n",
     "scale": "1 FLOP per score; reads and writes n",
+    "norm": "4 FLOPs per element (square, sum, divide by the root, times the weight); reads and writes n",
+    "sink": "2 FLOPs per row (exp of the sink logit, added to the row's sum by the softmax); moves no data",
     "add": "1 FLOP per score; reads the scores and the bias, writes n",
     "score_mod": "1 FLOP per score and part at least (the function's own ops are not counted); reads and writes n",
     "select": "0 FLOPs (a select); reads the scores and one bool per score, writes n",
@@ -286,9 +295,16 @@ def _rope_note(v: Mapping[str, Any], lang: str) -> str:
         at = ("positions from the cache" + (" (per row)" if rows else "")) if en else ("位置取自缓存" + ("（每行各自）" if rows else ""))
     else:
         at = f"global positions of this shard ({v['count']} tokens)" if en else f"本分片的全局位置（{v['count']} 个 token）"
+    r, d = v.get("rotary_dim"), v.get("head_dim")
+    if r is not None and d is not None and r < d:
+        part = f"; the first {r} of {d} dims (partial rotary)" if en else f"；只旋转 {d} 维中的前 {r} 维（部分旋转）"
+    else:
+        part = ""
+    base = v["base"]
+    at_base = (f", base {base:g}" if en else f"，base {base:g}") if base else ""
     if en:
-        return f"{at}, base {v['base']:g}, rotate-half layout"
-    return f"{at}，base {v['base']:g}，rotate-half 布局"
+        return f"{at}{at_base}, rotate-half layout{part}"
+    return f"{at}{at_base}，rotate_half 布局{part}"
 
 
 def _project_note(v: Mapping[str, Any], lang: str) -> str:
@@ -453,7 +469,8 @@ ROPE = StepKind(
     ("Rotate each pair of features by an angle that grows with the token's position (base {base:g}): "
      "a query and a key then score by their relative distance.",
      "旋转位置编码：按 token 的位置把每对特征旋转一个角度（base {base:g}）；这样查询与键的分数只取决于它们的相对距离。"),
-    "rope", note=_rope_note, roles=("Q", "K"), params=("positions", "base"),
+    "rope", checks=("equals the rotary formula in float64",), note=_rope_note, roles=("Q", "K"),
+    params=("positions", "base"),
 )
 CACHE_APPEND = StepKind(
     "cache_append", "append to the cache", None, _HEAD_AXES,
@@ -481,13 +498,23 @@ SCORES = StepKind(
      "注意力分数：每个查询与每个键做点积；第 i 行第 j 列表示 token i 的查询与键 j 的匹配程度（每个头 {Lq} × {Lk}）。"),
     "scores", checks=("equals Q·Kᵀ in float64",), params=("head_dim",),
 )
+def _scale_meaning(v: Mapping[str, Any], lang: str) -> str:
+    s, d = v["scale"], v["head_dim"]
+    if v.get("default", True):
+        return (f"Multiply by 1/sqrt({d}) = {s:.4g}: the scores' spread then does not grow with the head size, "
+                "and softmax stays soft." if lang == "en" else
+                f"缩放：乘以 1/√{d} = {s:.4g}，分数的幅度不再随头维度增大，softmax 不会过于尖锐。")
+    return (f"Multiply by the given scale {s:.4g} (not 1/sqrt({d}) = {default_scale(d):.4g}): it sets how sharp "
+            "the softmax is." if lang == "en" else
+            f"缩放：乘以给定的缩放因子 {s:.4g}（不是 1/√{d} = {default_scale(d):.4g}）：它决定 softmax 有多尖锐。")
+
+
 SCALE = StepKind(
     "scale", "scale", None, _SCORE_AXES,
-    ("scale", "缩放 × 1/√d"),
-    ("Multiply by 1/sqrt({D}) = {scale:.4g}: the scores' spread then does not grow with the head "
-     "size, and softmax stays soft.",
-     "缩放：乘以 1/√{D} = {scale:.4g}，分数的幅度不再随头维度增大，softmax 不会过于尖锐。"),
-    "scale", checks=("is exactly scores × 1/√D",), note=_scale_note, params=("scale", "head_dim", "default"),
+    ("scale", "缩放"),
+    _scale_meaning,
+    "scale", checks=("is exactly scores × 1/√D", "is exactly scores × the scale"), note=_scale_note,
+    params=("scale", "head_dim", "default"),
 )
 ADD_BIAS = StepKind(
     "add_bias", "add bias", None, _SCORE_AXES,
@@ -506,11 +533,67 @@ MASK = StepKind(
     checks=("blocked scores are -inf", "visible scores unchanged", "mask is triu(ones, diagonal=1 + Lk - Lq) flipped"),
     note=("{code}", "{code}"), params=("kinds", "parts", "sink", "code"),
 )
+def _sink_meaning(v: Mapping[str, Any], lang: str) -> str:
+    logits = ", ".join(f"{x:.3g}" for x in v["logits"])
+    return (f"Attention sinks: head h's sink logit ({logits}) joins each row's softmax denominator as one more "
+            "score that belongs to no key, so it takes part of every row's weight and the weights of the keys sum "
+            "to less than 1." if lang == "en" else
+            f"注意力汇聚 sink：第 h 个头的 sink 的 logit（{logits}）作为不属于任何键的一项加入每行 softmax 的分母，"
+            "它分走每行的一部分权重，各键的权重之和小于 1。")
+
+
+def _softmax_meaning(v: Mapping[str, Any], lang: str) -> str:
+    if v.get("sink"):
+        return ("Turn each row of scores into weights: all >= 0, -inf gives 0, and each row sums to less than 1: "
+                "the sink's term in the denominator takes the rest." if lang == "en" else
+                "Softmax 归一化：每一行分数变成权重，全部非负，-inf 变成 0；每行之和小于 1：其余归分母中 sink 的那一项。")
+    return ("Turn each row of scores into weights: all >= 0, each row sums to 1, and -inf gives 0." if lang == "en"
+            else "Softmax 归一化：每一行分数变成权重，全部非负、每行和为 1，-inf 变成 0。")
+
+
+SINK = StepKind(
+    "sink", "sink", None, _SCORE_AXES,
+    ("attention sink", "注意力汇聚 sink"),
+    _sink_meaning, "sink",
+    note=("softmax over [scores, sink_h]; the sink's column is dropped after it",
+          "对 [分数, sink_h] 做 softmax，之后丢掉 sink 那一列"),
+    params=("logits",),
+)
+
+
+def _qk_norm_meaning(v: Mapping[str, Any], lang: str) -> str:
+    return ("Normalise each head's vector (the layer's own RMSNorm over D, with its learned weights) before the "
+            "rotary embedding: the scores' size then does not grow with the projections'." if lang == "en" else
+            "在旋转位置编码之前，把每个头的向量归一化（该层自己的 RMSNorm，作用于 D 维，带学到的权重）："
+            "分数的大小不再随投影变大。")
+
+
+QK_NORM = StepKind(
+    "qk_norm", "q/k norm {role}", None, _HEAD_AXES,
+    ("q/k norm {role}", "q/k 归一化 {role}"),
+    _qk_norm_meaning, "norm", roles=("Q", "K"),
+)
+
+
+def _scale_q_meaning(v: Mapping[str, Any], lang: str) -> str:
+    s = v["scale"]
+    return (f"The scale folded into q: q = q_proj × {s:.6g} right after the projection, so the scores q·k are "
+            "already scaled and are not multiplied again." if lang == "en" else
+            f"缩放并入 q：投影之后立即 q = q_proj × {s:.6g}，所以分数 q·k 已经缩放过，不再相乘。")
+
+
+SCALE_Q = StepKind(
+    "scale_q", "scale folded into q", None, ("b", "t", "d_out"),
+    ("scale folded into q", "缩放并入 q"),
+    _scale_q_meaning, "scale", checks=("is exactly q_proj × the folded scale",), roles=("Q",),
+    params=("scale", "head_dim"),
+)
+
+
 SOFTMAX = StepKind(
     "softmax", "softmax", None, _SCORE_AXES,
     ("softmax", "Softmax 归一化"),
-    ("Turn each row of scores into weights: all >= 0, each row sums to 1, and -inf gives 0.",
-     "Softmax 归一化：每一行分数变成权重，全部非负、每行和为 1，-inf 变成 0。"),
+    _softmax_meaning,
     "softmax",
     checks=("rows sum to 1", "rows sum to at most 1 (a sink takes the rest)", "masked weights are exactly 0",
             "rows with no visible key are all 0", "equals softmax in float64"),
@@ -567,8 +650,8 @@ OUTPUT_PROJECTION = StepKind(
 
 #: every kind, in the order the data flows through a forward pass
 KINDS: dict[str, StepKind] = {k.id: k for k in (
-    INPUT, PROJECT, SPLIT_HEADS, MOVE_HEADS_FORWARD, ROPE, CACHE_APPEND, REPEAT_KV, SCORES, SCALE,
-    ADD_BIAS, SCORE_MOD, MASK, SOFTMAX, DROPOUT, WEIGHTED_SUM, FUSED_ATTENTION, MOVE_HEADS_BACK,
+    INPUT, PROJECT, SCALE_Q, SPLIT_HEADS, MOVE_HEADS_FORWARD, QK_NORM, ROPE, CACHE_APPEND, REPEAT_KV, SCORES, SCALE,
+    ADD_BIAS, SCORE_MOD, MASK, SINK, SOFTMAX, DROPOUT, WEIGHTED_SUM, FUSED_ATTENTION, MOVE_HEADS_BACK,
     MERGE_HEADS, OUTPUT_PROJECTION,
 )}
 

@@ -111,9 +111,12 @@ def attention_probs(
                             "code": repr(mask)},
                     extras={"keep": keep},
                 )
+    if tr is not None and sink is not None:  # the sink's logits, a step of their own before the softmax
+        tr.record(_steps.SINK, scores, params={"logits": [float(x) for x in sink.detach().flatten().tolist()]})
     weights = safe_softmax(scores) if sink is None else safe_softmax(scores, sink)
     if tr is not None:
-        tr.record(_steps.SOFTMAX, weights, checks=_softmax_checks(weights, scores, sink is not None))
+        tr.record(_steps.SOFTMAX, weights, checks=_softmax_checks(weights, scores, sink is not None),
+                  params={"sink": True} if sink is not None else None)
     return (weights, row_lse(scores, sink)) if with_lse else weights
 
 

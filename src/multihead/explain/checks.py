@@ -39,6 +39,8 @@ __all__ = [
     "check_forward",
     "per_head_difference",
     "walkthrough_checks",
+    "check_rotary",
+    "chain_checks",
 ]
 
 
@@ -224,6 +226,12 @@ def per_head_difference(mha, inputs: tuple, mask: Optional[Mask] = None) -> tupl
     return _max_abs_diff(fused, separate), 2 * tol, ok_fused and ok_separate
 
 
+def _sink_logits(trace: Trace) -> Optional[torch.Tensor]:
+    """The sink logits (H,) the trace's sink step recorded, or None."""
+    step = _find(trace, _steps.SINK)
+    return None if step is None else torch.tensor(step.params["logits"], dtype=torch.float64)
+
+
 def _find(trace: Trace, kind: _steps.StepKind, role: str = ""):
     found = trace.select(kind, role=role or None)
     return found[0] if found else None
@@ -256,8 +264,12 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple, mask: Optional[Mask] = 
 
     if q and k and scores:
         found.append(Check(scores.label, "equals Q·Kᵀ in float64", check_scores(q.tensor, k.tensor, scores.tensor), scores))
-    if scores and scaled:
+    if scores and scaled and scaled.params.get("default", True):
         found.append(Check(scaled.label, "is exactly scores × 1/√D", check_scale(scores.tensor, scaled.tensor, c.head_dim), scaled))
+    elif scores and scaled:
+        found.append(Check(scaled.label, "is exactly scores × the scale",
+                           torch.equal(cast(torch.Tensor, scaled.tensor),
+                                       cast(torch.Tensor, scores.tensor) * float(scaled.params["scale"])), scaled))
     before_mask = add_bias or scaled
     if score_mod is not None and before_mask is not None and tuple(score_mod.params["kinds"]) == ("softcap",):
         cap = float(score_mod.params["parts"][0]["cap"])
@@ -271,7 +283,9 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple, mask: Optional[Mask] = 
             lq, lk = masked.shape[-2:]
             found.append(Check(masked.label, "mask is triu(ones, diagonal=1 + Lk - Lq) flipped", check_causal_keep(keep, lq, lk), masked))
     last_scores = masked or score_mod or add_bias or scaled
-    sink = mask.sink_logits if mask is not None else None
+    sink = _sink_logits(trace)
+    if sink is None and mask is not None:
+        sink = mask.sink_logits
     if last_scores and softmax:
         found.append(Check(softmax.label, "equals softmax in float64",
                            check_softmax(cast(torch.Tensor, last_scores.tensor), softmax.tensor, sink), softmax))
@@ -285,4 +299,73 @@ def walkthrough_checks(trace: Trace, mha, inputs: tuple, mask: Optional[Mask] = 
     if out:
         dropout_keep = (dropout.tensor != 0) if dropout else None
         found.append(Check(out.label, "output equals the tutorial's plain code in float64", check_forward(mha, inputs, out.tensor, dropout_keep=dropout_keep, mask=mask)[0], out))
+    return found
+
+
+def check_rotary(before: torch.Tensor, after: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """after = before rotated with the tables cos, sin (rotate-half layout, the first cos.shape[-1]
+    dims when that is fewer than D), recomputed in float64."""
+    from .layer_attention import rotary
+
+    return close_to_float64(after, rotary, before, cos, sin)[0]
+
+
+#: the steps whose tensor is (B, H, L, D): the operands of the scores and of weights × V
+_HEADS_LAYOUT = (_steps.MOVE_HEADS_FORWARD, _steps.QK_NORM, _steps.ROPE, _steps.REPEAT_KV, _steps.CACHE_APPEND)
+
+
+def chain_checks(trace: Trace) -> list[Check]:
+    """Every arithmetic step of ``trace`` recomputed from the step before it, needing nothing but
+    the trace (a real model's layer, :func:`multihead.explain.real_model.layer_trace`): the scale
+    folded into q, the rotary embedding (with the tables in the step's extras), q·kᵀ, the scale
+    (the recorded factor), the softcap, the mask, the softmax (with the sink step's logits) and
+    weights × V, each within the project's float64 rule (exact steps exactly)."""
+    if any(s.tensor is None for s in trace.steps):
+        raise ValueError("chain_checks needs the step values: record with multihead.trace(keep_values=True)")
+    found: list[Check] = []
+
+    def add(step: Step, name: str, ok: bool) -> None:
+        found.append(Check(step.label, name, bool(ok), step))
+
+    last: dict[str, Step] = {}   # the latest (b, h, t, d) tensor of each role
+    scores: Optional[Step] = None
+    before: Optional[Step] = None   # the scores the next score step reads
+    weights: Optional[Step] = None
+    sink: Optional[torch.Tensor] = None
+    for s in trace.steps:
+        t = cast(torch.Tensor, s.tensor)
+        k = s.kind
+        if k is _steps.SCALE_Q:
+            proj = _find(trace, _steps.PROJECT, "Q")
+            if proj is not None:
+                add(s, "is exactly q_proj × the folded scale",
+                    torch.equal(t, cast(torch.Tensor, proj.tensor) * float(s.params["scale"])))
+        elif k is _steps.ROPE and s.role in last:
+            prev = cast(torch.Tensor, last[s.role].tensor)
+            add(s, "equals the rotary formula in float64", check_rotary(prev, t, s.extras["cos"], s.extras["sin"]))
+        elif k is _steps.SCORES and "Q" in last and "K" in last:
+            add(s, "equals Q·Kᵀ in float64", check_scores(cast(torch.Tensor, last["Q"].tensor),
+                                                        cast(torch.Tensor, last["K"].tensor), t))
+            scores = before = s
+            continue
+        elif k is _steps.SCALE and before is not None:
+            add(s, "is exactly scores × the scale", torch.equal(t, cast(torch.Tensor, before.tensor) * float(s.params["scale"])))
+        elif k is _steps.SCORE_MOD and before is not None and tuple(s.params["kinds"]) == ("softcap",):
+            add(s, "equals cap·tanh(s / cap) in float64",
+                check_softcap(cast(torch.Tensor, before.tensor), t, float(s.params["parts"][0]["cap"])))
+        elif k is _steps.MASK and before is not None:
+            add(s, "visible scores unchanged", check_mask(cast(torch.Tensor, before.tensor), t, s.extras["keep"]))
+        elif k is _steps.SINK and before is not None:
+            sink = torch.tensor(s.params["logits"], dtype=torch.float64)
+            add(s, "visible scores unchanged", torch.equal(t, cast(torch.Tensor, before.tensor)))
+        elif k is _steps.SOFTMAX and before is not None:
+            add(s, "equals softmax in float64", check_softmax(cast(torch.Tensor, before.tensor), t, sink))
+            weights = s
+        elif k is _steps.WEIGHTED_SUM and weights is not None and "V" in last:
+            add(s, "equals weights × V in float64",
+                check_weighted_sum(cast(torch.Tensor, weights.tensor), cast(torch.Tensor, last["V"].tensor), t))
+        if s.role in ("Q", "K", "V") and k in _HEADS_LAYOUT:
+            last[s.role] = s
+        if scores is not None and s.axes[-2:] == ("q", "k") and k is not _steps.SOFTMAX:
+            before = s
     return found

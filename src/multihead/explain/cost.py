@@ -75,6 +75,10 @@ def step_cost(step: Step, score_shape: Optional[tuple[int, ...]] = None) -> tupl
         return 2 * n * d, (B * H * Lq * d + B * H * Lk * d + n) * size
     if rule == "scale":
         return n, 2 * n * size
+    if rule == "norm":
+        return 4 * n, 2 * n * size
+    if rule == "sink":
+        return 2 * n // step.shape[-1], 0
     if rule in ("add", "dropout"):
         return n, 3 * n * size
     if rule == "score_mod":

@@ -38,6 +38,7 @@ import torch
 
 from .. import steps
 from ..module import MultiHeadAttention
+from ..per_head import PerHeadAttention
 from ..trace import Trace, trace
 from .checks import Check, _floor, _max_abs_diff, walkthrough_checks
 from .example import LIMITS
@@ -309,9 +310,14 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
     if layer is not None:
         raise TypeError("layer= selects a layer of a traced stack: pass the trace (multihead.trace(root=model)), "
                         "not a single MultiHeadAttention")
+    if isinstance(source, PerHeadAttention):   # the same function, one fused module (from_per_head)
+        source = MultiHeadAttention.from_per_head(source)
+    if isinstance(source, torch.nn.Module) and not isinstance(source, MultiHeadAttention):
+        return _explain_module(source, inputs, mask, cache)
     if not isinstance(source, MultiHeadAttention):
         raise TypeError(
-            f"explain takes a multihead.MultiHeadAttention (and its inputs) or a multihead.Trace, got {type(source).__name__}"
+            "explain takes a multihead.MultiHeadAttention, a PerHeadAttention, a module that calls multihead.attention "
+            f"(and its inputs) or a multihead.Trace, got {type(source).__name__}"
         )
     _check_inputs(source, inputs, cache)
     tr, out = _run(source, inputs, mask, cache, reference=False)
@@ -328,6 +334,24 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
     ref, ref_out = _run(source, inputs, mask, cache, reference=True)
     agreement = _agreement(source, inputs, mask, cache, backend, out, ref_out)
     return Explanation(_walkthrough(source, inputs, mask, cache, ref, out), fused_trace=tr, agreement=agreement)
+
+
+def _explain_module(module: torch.nn.Module, inputs: tuple[Any, ...], mask: Any, cache: Any) -> Explanation:
+    """A module of the user's (or ``multihead.nn.MultiheadAttention``) that calls
+    :func:`multihead.attention`: run once on ``inputs`` under a trace rooted at it, explained as
+    that trace (its steps, their own checks)."""
+    if mask is not None or cache is not None:
+        raise TypeError(f"explain({type(module).__name__}, ...) runs module(*inputs): pass the mask or cache the way "
+                        "your module takes them, inside inputs (mask= and cache= are MultiHeadAttention's)")
+    if not inputs:
+        raise TypeError(f"explain({type(module).__name__}, ...) needs the inputs to run it on: explain(module, x)")
+    with torch.no_grad(), trace(keep_values=True, root=module) as tr:
+        module(*inputs)
+    if not tr.steps:
+        raise TypeError("explain takes a multihead.MultiHeadAttention (and its inputs), a PerHeadAttention, a module "
+                        f"that calls multihead.attention or a multihead.Trace, got {type(module).__name__}, which did not call "
+                        "multihead.attention (nothing was recorded)")
+    return explain(tr)
 
 
 def _walkthrough(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, cache: Any, tr: Trace,

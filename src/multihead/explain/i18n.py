@@ -165,7 +165,10 @@ _WORDS = {
     "page.weights": ("Weights (after softmax)", "权重（softmax 之后）"),
     "page.query": ("query", "查询"),
     "page.key": ("key", "键"),
-    "page.no_scores": ("This source records no scores; only the weights are shown.", "该来源没有记录分数，只显示权重。"),
+    "page.no_scores": ("No scores here, only the weights: the source records none, or this is a notebook cell, which "
+                       "carries the scores of the layer it opens at only (the page written to a file has them all).",
+                       "这里没有分数，只有权重：该来源没有记录分数，或者这是笔记本单元格，它只带有打开时那一层的分数"
+                       "（写入文件的页面包含全部分数）。"),
     "page.checks": ("Checks the trace ran", "追踪中运行的检查"),
     "page.checks_none": ("No checks were recorded.", "没有记录检查。"),
     "page.hover": ("Hover over (or tap) a cell to read its value.", "将鼠标悬停（或轻点）在格子上查看数值。"),
@@ -178,6 +181,9 @@ _WORDS = {
                          "将鼠标悬停（或轻点）在分数格子上：这里逐项累加它的 q · k，再乘以缩放因子。"),
     "page.worked_sum": ("sum of the {D} products", "{D} 个乘积之和"),
     "page.worked_scaled": ("scaled", "缩放后"),
+    "page.worked_softcap": ("softcap", "软上限"),
+    "page.worked_sink": ("this head's sink logit {logit} joins every row's softmax denominator (rows sum to less than 1)",
+                         "该头 sink 的 logit {logit} 加入每行 softmax 的分母（每行之和小于 1）"),
     "page.model_view": ("Every layer and head", "所有层与所有头"),
     "page.model_view_intro": (
         "One thumbnail per head (columns) of every layer (rows), as in bertviz's model view: click one to show it "
@@ -207,6 +213,20 @@ _WORDS = {
         '{heads} 个头，维度 {D}，每个头有自己的键和值'),
     'model.rope': ('rotary position embedding: {type}, base {base:g} (applied to q and k in every layer)',
         '旋转位置编码：{type}，base {base:g}（每层作用于 q 和 k）'),
+    'model.rope_type': ('rotary position embedding of {kind} layers ({layers}): {type}, base {base:g}',
+        '{kind} 层（{layers}）的旋转位置编码：{type}，base {base:g}'),
+    'model.encdec': ('encoder-decoder: the sentence feeds the encoder and, as its input, the decoder',
+        '编码器-解码器：句子经过编码器，并作为解码器的输入经过解码器'),
+    'model.role_encoder': ('encoder self-attention, {which}: {mask}',
+        '编码器自注意力，{which}：{mask}'),
+    'model.role_decoder': ('decoder self-attention, {which}: {mask}',
+        '解码器自注意力，{which}：{mask}'),
+    'model.role_cross': ('cross-attention, {which}: decoder queries, encoder keys/values; {mask}',
+        '交叉注意力，{which}：解码器的查询读取编码器输出的键和值；{mask}'),
+    'model.mixed': ('masks differ by layer (see the heat maps)', '各层掩码不同（见热图）'),
+    'model.title_encoder': ('encoder self-attention', '编码器自注意力'),
+    'model.title_decoder': ('decoder self-attention', '解码器自注意力'),
+    'model.title_cross': ('cross-attention (decoder → encoder)', '交叉注意力（解码器 → 编码器）'),
     'model.tokens': ('tokens:',
         'token：'),
     'model.grid': ('Pattern of every head (letter = label, number = its score; · = no clear pattern):',
@@ -237,6 +257,12 @@ _WORDS = {
         '（向量：只显示前 {n} 个数；模块：{path}）'),
     'model.walk.rotary': ("   the model's own cos/sin at position {t}: q = q * cos + rotate_half(q) * sin",
         '   模型自己在位置 {t} 的 cos/sin：q = q * cos + rotate_half(q) * sin'),
+    'model.walk.rotary_partial': ("   the model's own cos/sin at position {t}, on the first {r} of {D} dims: q[:{r}] = q[:{r}] * cos + rotate_half(q[:{r}]) * sin; q[{r}:] unchanged",
+        '   模型自己在位置 {t} 的 cos/sin，只作用于 {D} 维中的前 {r} 维：q[:{r}] = q[:{r}] * cos + rotate_half(q[:{r}]) * sin；q[{r}:] 不变'),
+    'model.walk.scale_q': ('   the layer multiplies q by {s:.6g} right after its projection (scale folded into q), so the scores are not scaled again; token {t}:',
+        '   该层在投影之后立即把 q 乘以 {s:.6g}（缩放并入 q），所以分数不再缩放；token {t}：'),
+    'model.walk.sink': ("   head {head}'s sink logit {logit:+.4f} joins row {t}'s softmax denominator: row {t} takes {taken:.4f} of the weight there, the keys the rest",
+        '   第 {head} 个头 sink 的 logit {logit:+.4f} 加入第 {t} 行 softmax 的分母：第 {t} 行有 {taken:.4f} 的权重归 sink，其余归各键'),
     'model.walk.group': ('   query head {head} reads key/value head {kv}, shared by query heads {group}',
         '   第 {head} 个查询头读取第 {kv} 个键/值头，查询头 {group} 共用它'),
     'model.walk.row': ('   row {t} (query {tok!r}), one entry per key j:',
@@ -255,14 +281,32 @@ _WORDS = {
         '第 {head} 个头有自己的键和值（第 {kv} 个键/值头）'),
     'neuron.rotary': ("Rotary position embedding (the model's cos/sin at position {pos}): q = q_proj * cos + rotate_half(q_proj) * sin",
         '旋转位置编码（模型自己在位置 {pos} 的 cos/sin）：q = q_proj * cos + rotate_half(q_proj) * sin'),
-    'neuron.dims': ("Head dim D = {D}; shown: the {n} dims with the largest products q_d k_jd (the other {rest} summed).\nWith RoPE, q = q_proj * cos + rotate_half(q_proj) * sin (the model's own cos/sin at the query):",
-        '头维度 D = {D}；显示乘积 q_d k_jd 最大的 {n} 维（其余 {rest} 维求和）。\n有 RoPE 时，q = q_proj * cos + rotate_half(q_proj) * sin（模型自己在查询位置的 cos/sin）：'),
+    'neuron.dims': ("Head dim D = {D}; shown: the {n} dims with the largest products q_d k_jd (the other {rest} summed).",
+        '头维度 D = {D}；显示乘积 q_d k_jd 最大的 {n} 维（其余 {rest} 维求和）。'),
+    'neuron.rope_line': ("With RoPE, q = q_proj * cos + rotate_half(q_proj) * sin (the model's own cos/sin at the query):",
+        '有 RoPE 时，q = q_proj * cos + rotate_half(q_proj) * sin（模型自己在查询位置的 cos/sin）：'),
+    'neuron.rope_partial': ("Partial RoPE on the first {r} of {D} dims: q[:{r}] = q_proj[:{r}] * cos + rotate_half(q_proj[:{r}]) * sin, q[{r}:] = q_proj[{r}:] (cos 1, sin 0 there):",
+        '部分 RoPE，只旋转 {D} 维中的前 {r} 维：q[:{r}] = q_proj[:{r}] * cos + rotate_half(q_proj[:{r}]) * sin，q[{r}:] = q_proj[{r}:]（那里 cos 为 1，sin 为 0）：'),
+    'neuron.qk_norm': ("q/k norm: q_proj and k_proj below are after the layer's RMSNorm of each head's vector (before RoPE).",
+        'q/k norm：下面的 q_proj 和 k_proj 已经过该层对每个头向量的 RMSNorm（在 RoPE 之前）。'),
+    'neuron.rope_not_shown': ("q and k are after the model's rotary embedding; its projections are fused (not recorded), so the rotation itself is not shown",
+        'q 和 k 已经过模型的旋转位置编码；它的投影是融合的（未记录），所以这里不展示旋转本身'),
+    'neuron.cross': ("cross-attention: q from the decoder's token, k and v from the encoder's output",
+        '交叉注意力：q 来自解码器的 token，k 和 v 来自编码器的输出'),
     'neuron.scores': ('score_j = q · k_j = Σ_d q_d k_jd, one row per visible key j:',
         '得分_j = q · k_j = Σ_d q_d k_jd，每个可见的键 j 一行：'),
     'neuron.others': ('others',
         '其余'),
-    'neuron.scale': ('× scale {scale:.6g} (1/√{D}), mask, softmax over the visible keys:',
-        '× 缩放 {scale:.6g}（1/√{D}），掩码，对可见的键做 softmax：'),
+    'neuron.scale_plain': ('scores × {scale:.6g}',
+        '分数 × {scale:.6g}'),
+    'neuron.scale_folded': ('scores × 1: the scale is already in q (above)',
+        '分数 × 1：缩放已经在 q 里（见上）'),
+    'neuron.softcap': ('softcap: s → {cap}·tanh(s / {cap}) after the scale (every score lies in (-{cap}, {cap}))',
+        '软上限 softcap：缩放之后 s → {cap}·tanh(s / {cap})（每个分数都落在 (-{cap}, {cap}) 内）'),
+    'neuron.sink': ("sink: head {head}'s learned logit {logit:+.4f} joins the softmax denominator and takes {mass:.3f} of the row; the keys' weights sum to the rest",
+        'sink：第 {head} 个头学到的 logit {logit:+.4f} 加入 softmax 的分母，分走该行 {mass:.3f} 的权重；各键的权重之和为其余部分'),
+    'neuron.then_softmax': ('then the mask, and the softmax over the visible keys:',
+        '然后是掩码，以及对可见的键做 softmax：'),
     'neuron.blocked': ('blocked',
         '屏蔽'),
     'neuron.out': ('output = Σ_j w_j v_j (first {n} dims of Dv = {Dv}):',
@@ -356,6 +400,24 @@ def trace_sizes(trace: Trace, step: Optional[Step] = None) -> dict:
         Hkv = cfg.get("num_kv_heads") or H
         sizes.update(d_in=cfg["d_in"], kdim=cfg["kdim"], d_out=cfg["d_out"] or H * D, kv_dim=Hkv * D,
                      H=H, Hkv=Hkv, D=D, g=H // Hkv, scale=default_scale(D), p=cfg["dropout"])
+    else:   # a trace of the functional core: the sizes its own steps tell
+        for s in mine:
+            if s.kind is _steps.SCORES:
+                sizes.setdefault("B", s.shape[0])
+                sizes.setdefault("Lq", s.shape[2])
+                sizes.update(H=s.shape[1], D=s.params["head_dim"], scale=default_scale(s.params["head_dim"]))
+            elif s.kind is _steps.FUSED_ATTENTION:
+                sizes.setdefault("B", s.shape[0])
+                sizes.setdefault("Lq", s.shape[2])
+                sizes.setdefault("H", s.shape[1])
+                if "head_dim" in s.params:
+                    sizes.setdefault("D", s.params["head_dim"])
+            elif s.kind is _steps.REPEAT_KV and "groups" in s.params:
+                sizes.update(g=s.params["groups"])
+        if "H" in sizes and "g" in sizes:
+            sizes["Hkv"] = sizes["H"] // sizes["g"]
+        if "H" in sizes and "D" in sizes:
+            sizes["d_out"] = sizes["H"] * sizes["D"]
     return sizes
 
 
@@ -367,9 +429,9 @@ def describe_step(step: Step, lang: str, sizes: dict) -> str:
     """
     if step.kind is _steps.SPLIT_HEADS:
         kv = step.role in ("K", "V")
-        if "H" in sizes:
+        if "kv_dim" in sizes:
             sizes = dict(sizes, F=sizes["kv_dim"] if kv else sizes["d_out"], h=sizes["Hkv"] if kv else sizes["H"])
-        if step.role == "":  # heads.split_heads called by hand: the step's own sizes
+        if step.role == "" or "kv_dim" not in sizes:  # split by hand, or no module config: the step's own sizes
             sizes = dict(sizes, F=step.shape[2] * step.shape[3], h=step.shape[2], D=step.shape[3])
     return step.meaning(lang, sizes)
 

@@ -164,7 +164,8 @@ class ModelInfo:
 
     kind: "decoder" when every layer's mask was causal on the first run, else "encoder".
     rope: None, or {"type", "base"}: the rotary embedding of the config (the cos/sin themselves are
-    recorded per run, see :class:`LayerRecord`).
+    recorded per run, see :class:`LayerRecord`); for parameters per layer type (ModernBERT)
+    base is None and "per_type" ({layer type: its parameters}) and "layer_types" say them.
     """
 
     name: str
@@ -175,7 +176,7 @@ class ModelInfo:
     head_dim: int
     hidden: int
     rope: Optional[dict[str, Any]]
-    family: str   # "bert", "llama" (q_proj/k_proj/v_proj/o_proj) or "other"
+    family: str   # "bert", "llama" (q_proj/k_proj/v_proj/o_proj), "opt" (.../out_proj) or "other"
 
     @property
     def kv_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -199,6 +200,20 @@ class LayerRecord:
     out: (H, L, Dv) weights @ v.
     output: (L, d) the layer's output projection of the merged heads (None if unknown).
     module: the attention module (for :meth:`multihead.MultiHeadAttention.from_hf`).
+    softcap: the cap of the scores (Gemma 2's ``attn_logit_softcapping``: s -> cap·tanh(s / cap),
+        after the scale, before the mask), or None.
+    sinks: (H,) learned sink logits (gpt-oss: exp(sink_h) joins each row's softmax denominator), or None.
+    sliding_window: the window transformers passed with the call (its mask is in ``keep``), or None.
+    q_normed / k_normed: (H, L, D) / (Hkv, L, D) the projections after the layer's q/k norm and
+        before RoPE (Qwen 3, Gemma 3, OLMo 2), or None for a layer without one.
+    q_scale: the factor the layer multiplied q by right after its projection (OPT and BART fold
+        the scale into q and pass scaling=1), or None.
+    attention: the :class:`~multihead.explain.layer_attention.LayerAttention` of this layer:
+        what its mask, softcap, sinks, norm, scale and rotary embedding were.
+    role: "self" (a model of one sequence), or in an encoder-decoder "encoder" (the encoder's
+        self-attention), "decoder" (the decoder's causal self-attention) or "cross" (decoder
+        queries, keys and values from the encoder's output).
+    memory: (Lk, d) the keys' input of a cross-attention layer (the encoder's output), else None.
     """
 
     hidden: Optional[torch.Tensor]
@@ -218,6 +233,15 @@ class LayerRecord:
     output: Optional[torch.Tensor] = None
     module: Any = field(default=None, repr=False)
     module_bias: bool = False   # whether the layer's projections have biases
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+    sliding_window: Optional[int] = None
+    q_normed: Optional[torch.Tensor] = None
+    k_normed: Optional[torch.Tensor] = None
+    q_scale: Optional[float] = None
+    attention: Any = field(default=None, repr=False)
+    role: str = "self"
+    memory: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
         return (f"<LayerRecord: q {tuple(self.q.shape)}, k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, "
@@ -319,6 +343,9 @@ def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         "keep": keep[0], "bias": bias,
         "scale": float(default_scale(query.shape[-1]) if scaling is None else scaling),  # attention_forward's
         "scores": scores[0].detach(), "weights": weights[0].detach(), "out": out[0].transpose(0, 1).detach(),
+        "softcap": None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
+        "sinks": None if kwargs.get("s_aux") is None else kwargs["s_aux"].detach().float().flatten(),
+        "sliding_window": kwargs.get("sliding_window"),
     })
     return out, weights
 
@@ -335,7 +362,8 @@ def _scores(tr: Any) -> torch.Tensor:
 
 def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     """(module, family, output projection or None) of every attention layer whose projections
-    multihead knows: Llama-family (q_proj, k_proj, v_proj, o_proj) and BERT-family
+    multihead knows: Llama-family (q_proj, k_proj, v_proj, o_proj), OPT/BART-family (q_proj, k_proj,
+    v_proj, out_proj) and BERT-family
     (query, key, value; the output projection is the parent's ``output.dense``)."""
     from ..hf import _has_linears, _is_linear
 
@@ -343,11 +371,46 @@ def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     for name, m in net.named_modules():
         if _has_linears(m, ("q_proj", "k_proj", "v_proj", "o_proj")):
             found.append((m, "llama", m.o_proj))
+        elif _has_linears(m, ("q_proj", "k_proj", "v_proj", "out_proj")):
+            found.append((m, "opt", m.out_proj))
         elif _has_linears(m, ("query", "key", "value")):
             parent = net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else net
             dense = getattr(getattr(parent, "output", None), "dense", None)
             found.append((m, "bert", dense if _is_linear(dense) else None))
     return found
+
+
+def _attention_like(net: Any) -> list[str]:
+    """Modules named like attention layers (``attn``/``attention`` ending their name, not inside
+    another one): what an encoder-decoder's layers are, known or not."""
+    names = [n for n, _ in net.named_modules()
+             if n.rsplit(".", 1)[-1].lower().endswith(("attn", "attention")) and n.rsplit(".", 1)[-1] != "attention_mask"]
+    return [n for n in names if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+#: the roles of an attention call: one sequence's own attention, or an encoder-decoder's three kinds
+ROLES = ("self", "encoder", "decoder", "cross")
+
+
+def _roles(net: Any) -> dict[int, str]:
+    """id(module) -> role (:data:`ROLES`) of every known attention module: in an encoder-decoder,
+    "cross" for the decoder's attention to the encoder (``encoder_attn``, ``cross_attn``),
+    "decoder" for the decoder's own, "encoder" for the encoder's; "self" in other models."""
+    modules = {id(m) for m, _, _ in _attention_modules(net)}
+    names = {id(m): n for n, m in net.named_modules() if id(m) in modules}
+    encdec = bool(getattr(net.config, "is_encoder_decoder", False))
+    out = {}
+    for key, name in names.items():
+        last = name.rsplit(".", 1)[-1]
+        if not encdec:
+            out[key] = "self"
+        elif last in ("encoder_attn", "cross_attn", "crossattention", "EncDecAttention"):
+            out[key] = "cross"
+        elif name.startswith("decoder") or ".decoder." in f".{name}":
+            out[key] = "decoder"
+        else:
+            out[key] = "encoder"
+    return out
 
 
 def _split(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -360,7 +423,8 @@ def _hook_inputs(rec: dict[str, Any], net: Any) -> list[Any]:
 
     def pre(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"))
+        memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))   # cross-attention's keys
+        rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"), memory)
 
     return [m.register_forward_pre_hook(pre, with_kwargs=True) for m, _, _ in _attention_modules(net)]
 
@@ -372,10 +436,18 @@ class RealModel:
         self.name, self.title, self.tokenizer, self.net = name, title, tokenizer, net.eval()
         config = net.config
         text_config = getattr(config, "get_text_config", lambda: config)()
-        if getattr(text_config, "is_encoder_decoder", False):
-            raise ModelError(f"--model {name}: an encoder-decoder model; explain runs encoders or decoders")
+        # the top config says so for T5Gemma, whose text config is the decoder's
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False)
+                                    or getattr(text_config, "is_encoder_decoder", False))
         heads = getattr(text_config, "num_attention_heads", None)
         layers = getattr(text_config, "num_hidden_layers", None)
+        if self.encoder_decoder:
+            known = _attention_modules(net)
+            if not known or len(known) != sum(1 for _ in _attention_like(net)):
+                raise ModelError(f"--model {name}: an encoder-decoder model whose attention layout multihead does not "
+                                 "record (T5's relative position bias, say); BART-like models (q_proj, k_proj, v_proj, "
+                                 "out_proj) and T5Gemma are shown with their cross-attention")
+            layers = len(known)   # every attention call: encoder self, decoder self, cross
         hidden = getattr(text_config, "hidden_size", None)
         if not all(isinstance(x, int) for x in (heads, layers, hidden)):
             raise ModelError(f"--model {name}: its config has no num_attention_heads, num_hidden_layers and "
@@ -385,10 +457,14 @@ class RealModel:
         head_dim = getattr(text_config, "head_dim", None) or hidden // heads
         rope = None
         params = getattr(text_config, "rope_parameters", None)
-        if params:
+        if params and all(isinstance(v, dict) for v in params.values()):   # per layer type (ModernBERT)
+            rope = {"type": "per layer type", "base": None, "per_type": dict(params),
+                    "layer_types": tuple(getattr(text_config, "layer_types", None) or ())}
+        elif params:
             rope = {"type": params.get("rope_type", "default"), "base": params.get("rope_theta")}
         families = {f for _, f, _ in _attention_modules(net)}
         family = families.pop() if len(families) == 1 else "other"
+        self.roles = _roles(net)
         self.info = ModelInfo(name, title, layers, heads, kv, head_dim, hidden, rope, family)
 
     def tokenize(self, text: str) -> tuple[list[str], torch.Tensor]:
@@ -399,8 +475,9 @@ class RealModel:
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         L = ids.shape[1]
         if L > MAX_TOKENS:
-            raise ModelError(f"--text has {L} tokens for {self.title}; the views fit {MAX_TOKENS}: "
-                             "use a shorter sentence")
+            raise ModelError(f"--text has {L} tokens for {self.title}; the views fit {MAX_TOKENS}: they draw every "
+                             "layer's (L, L) weights of every head, one cell per pair, which past that neither reads "
+                             "on a screen nor stays light in a page; use a shorter sentence")
         if L < 2:
             raise ModelError(f"--text gives {L} token for {self.title}; give a sentence of at least two tokens")
         return [shown(t) for t in self.tokenizer.convert_ids_to_tokens(ids[0].tolist())], ids
@@ -423,7 +500,8 @@ class RealModel:
         switched = self._switch_attention()
         try:
             with torch.no_grad():
-                self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                extra = {"decoder_input_ids": ids} if self.encoder_decoder else {}
+                self.net(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra)
         except ValueError as e:  # what attention_forward refuses
             raise ModelError(f"--model {self.name}: its attention cannot run through multihead: "
                              f"{str(e).splitlines()[0]}") from None
@@ -443,8 +521,9 @@ class RealModel:
         records = []
         for call in calls:
             module = call["module"]
-            hidden, pos = rec["inputs"].get(id(module), (None, None))
-            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None))))
+            hidden, pos, memory = rec["inputs"].get(id(module), (None, None, None))
+            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None)), memory=memory,
+                                        role=self.roles.get(id(module), "self")))
         return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
 
     def _switch_attention(self) -> Optional[str]:
@@ -457,23 +536,39 @@ class RealModel:
         return cast(Optional[str], current)
 
     def _record(self, call: dict[str, Any], hidden: Optional[torch.Tensor], pos: Any, family: Optional[str],
-                out_proj: Any) -> LayerRecord:
+                out_proj: Any, *, memory: Optional[torch.Tensor] = None, role: str = "self") -> LayerRecord:
+        from .layer_attention import describe
+
         module = call.pop("module")
         D = call["q"].shape[-1]
-        q_proj = k_proj = output = None
+        q_proj = k_proj = output = q_normed = k_normed = q_scale = None
         cos = sin = wq = None
         if pos is not None:
             cos, sin = (t[0].detach() for t in pos)
         if hidden is not None and family is not None:
             x = hidden[0].detach()
-            wq, wk = (module.q_proj, module.k_proj) if family == "llama" else (module.query, module.key)
+            wq, wk = (module.query, module.key) if family == "bert" else (module.q_proj, module.k_proj)
+            kv_in = x if memory is None else memory[0].detach()   # cross-attention: keys from the encoder
             with torch.no_grad():
-                q_proj, k_proj = _split(wq(x), D), _split(wk(x), D)
+                q_proj, k_proj = _split(wq(x), D), _split(wk(kv_in), D)
+                q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+                if isinstance(q_norm, torch.nn.Module) and isinstance(k_norm, torch.nn.Module):
+                    # the norm runs on (L, n, D), each head's vector on its own, as the layer does it
+                    q_normed = q_norm(q_proj.transpose(0, 1)).transpose(0, 1)
+                    k_normed = k_norm(k_proj.transpose(0, 1)).transpose(0, 1)
+                folded = getattr(module, "scaling", None)
+                if (call["scale"] == 1.0 and isinstance(folded, float) and folded != 1.0
+                        and torch.equal(_split(wq(x) * folded, D), call["q"])):
+                    q_scale = folded    # OPT, BART: q = q_proj(x) * scaling, and the call's scaling is 1
                 if out_proj is not None:
                     output = out_proj(call["out"].transpose(0, 1).reshape(x.shape[0], -1))
         bias = wq is not None and wq.bias is not None
-        return LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
-                           cos=cos, sin=sin, output=output, module=module, module_bias=bias, **call)
+        rec = LayerRecord(hidden=None if hidden is None else hidden[0].detach(), q_proj=q_proj, k_proj=k_proj,
+                          cos=cos, sin=sin, output=output, module=module, module_bias=bias, q_normed=q_normed,
+                          k_normed=k_normed, q_scale=q_scale, role=role,
+                          memory=None if memory is None else memory[0].detach(), **call)
+        rec.attention = describe(rec)
+        return rec
 
 
 def _register() -> None:
@@ -491,8 +586,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
 
 def _load(model: str) -> RealModel:
     """The model of a name of :data:`MODELS` (kept for the process: there are few) or of a
-    resolved directory (the last few kept, so that many small models do not pile up)."""
-    return _load_named(model) if model in MODELS else _load_directory(model)
+    resolved directory (the last few kept, so that many small models do not pile up; keyed on the
+    directory's files, their sizes and modification times, so that a model saved again is read again)."""
+    return _load_named(model) if model in MODELS else _load_directory(model, _stamp(model))
 
 
 def _open(model: str) -> RealModel:
@@ -526,7 +622,11 @@ def _open_model(model: str) -> RealModel:
         if cls is None:
             raise ModelError(f"--model {model}: transformers has no AutoModel for its model_type "
                              f"{getattr(config, 'model_type', '?')!r}")
-        if not cls.is_backend_compatible():
+        modality = _modality(config, cls)
+        if modality is not None:
+            raise ModelError(f"--model {model}: {getattr(config, 'model_type', '?')} is {modality} model; explain "
+                             "runs text models (it reads a sentence's tokens)")
+        if not cls.is_backend_compatible() and not getattr(config, "is_encoder_decoder", False):
             raise ModelError(f"--model {model}: {cls.__name__}'s attention cannot run through multihead (it does not "
                              "call transformers' AttentionInterface); BERT-, Llama-, GPT-2-style models do")
         if not any((Path(model) / f).is_file() for f in _TOKENIZER_FILES):
@@ -568,14 +668,38 @@ def wrap(net: Any, tokenizer: Any, name: Optional[str] = None) -> RealModel:
     return RealModel(title, os.path.basename(str(title).rstrip("/")) or type(net).__name__, tokenizer, net)
 
 
+def _modality(config: Any, cls: Any) -> Optional[str]:
+    """"an image" / "an audio" / "a text-image" ... when the model does not read token ids alone."""
+    sub = [m for m, key in (("image", "vision_config"), ("audio", "audio_config")) if getattr(config, key, None)]
+    if sub:
+        return f"a text-{sub[0]}" if getattr(config, "text_config", None) else f"an {sub[0]}"
+    main = getattr(cls, "main_input_name", "input_ids")
+    if main == "pixel_values":
+        return "an image"
+    if main in ("input_values", "input_features"):
+        return "an audio"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _load_named(model: str) -> RealModel:
     return _open(model)
 
 
 @functools.lru_cache(maxsize=4)
-def _load_directory(path: str) -> RealModel:
+def _load_directory(path: str, stamp: tuple[tuple[str, int, int], ...]) -> RealModel:
     return _open(path)
+
+
+def _stamp(path: str) -> tuple[tuple[str, int, int], ...]:
+    """Every file of the directory with its size and modification time: a model saved again into
+    the same directory has another stamp, so it is loaded again."""
+    out = []
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            out.append((f.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def load(model: str) -> RealModel:

@@ -57,8 +57,10 @@ class NeuronView:
 
     q (D,): query ``token`` of ``head``; k (Lk, D) the keys of ``kv_head``; products (Lk, D) =
     q * k; dots (Lk,) = products.sum(-1) = q · k_j; scaled (Lk,) = scale * dots (+ bias);
-    keep (Lk,) bool (True = visible); weights (Lk,) = softmax of scaled over the visible keys
-    (0 elsewhere); v (Lk, Dv); weighted (Lk, Dv) = weights[:, None] * v; out (Dv,) = weighted.sum(0).
+    capped (Lk,) = softcap·tanh(scaled / softcap) when the layer caps its scores (Gemma 2), else None;
+    keep (Lk,) bool (True = visible); weights (Lk,) = softmax of the (capped) scaled scores over
+    the visible keys (0 elsewhere), with exp(sink) in the denominator when the layer has a sink
+    logit for this head (gpt-oss: the weights then sum to 1 - sink_mass); v (Lk, Dv); weighted (Lk, Dv) = weights[:, None] * v; out (Dv,) = weighted.sum(0).
     model_scores / model_weights (Lk,): multihead's float32 q·k (before the scale) and weights
     in the model's run. kv_group: the query heads that share ``kv_head``.
     """
@@ -85,6 +87,17 @@ class NeuronView:
     model_scores: torch.Tensor
     model_weights: torch.Tensor
     rotary: Optional[Rotary] = None
+    softcap: Optional[float] = None
+    capped: Optional[torch.Tensor] = None
+    sink: Optional[float] = None
+    attention: Any = None
+    role: str = "self"
+    rope_not_shown: bool = False   # the model rotates q and k, but its projections were not recorded
+
+    @property
+    def sink_mass(self) -> float:
+        """The part of the row the sink takes: 1 - Σ_j w_j (0 without a sink)."""
+        return 0.0 if self.sink is None else 1.0 - float(self.weights.sum())
 
     @property
     def head_dim(self) -> int:
@@ -116,22 +129,32 @@ def neuron_view(run: RealRun, layer: int, head: int, token: int) -> NeuronView:
     if rec.bias is not None:
         bias = rec.bias[head, token].double()
         scaled = scaled + bias
-    masked = scaled.masked_fill(~keep, float("-inf"))
+    a = rec.attention
+    capped = None
+    if a is not None and a.softcap is not None:
+        capped = a.softcap * torch.tanh(scaled / a.softcap)
+    final = scaled if capped is None else capped
+    sink = None if a is None or a.sinks is None else float(a.sinks[head])
     weights = torch.zeros_like(scaled)
     if keep.any():
-        weights[keep] = masked[keep].softmax(-1)
+        row = final[keep]
+        if sink is not None:
+            row = torch.cat([row, row.new_tensor([sink])])
+        weights[keep] = row.softmax(-1)[: int(keep.sum())]
     weighted = weights[:, None] * v
     rotary = None
-    if rec.cos is not None and rec.sin is not None and rec.q_proj is not None and rec.k_proj is not None:
-        rotary = Rotary(rec.q_proj[head, token].double(), rec.k_proj[kv].double(), rec.cos.double(),
-                        rec.sin.double())
+    before = rec.q_normed if rec.q_normed is not None else rec.q_proj
+    k_before = rec.k_normed if rec.k_normed is not None else rec.k_proj
+    if rec.cos is not None and rec.sin is not None and before is not None and k_before is not None:
+        rotary = Rotary(before[head, token].double(), k_before[kv].double(), rec.cos.double(), rec.sin.double())
     g = H // Hkv
     return NeuronView(
         model=run.info.title, layer=layer, head=head, kv_head=kv, kv_group=tuple(range(kv * g, (kv + 1) * g)),
         token=token, tokens=tuple(run.tokens), q=q, k=k, products=products, dots=dots, scale=rec.scale,
         bias=bias, scaled=scaled, keep=keep, weights=weights, v=v, weighted=weighted, out=weighted.sum(0),
         model_scores=rec.scores[head, token].float(), model_weights=rec.weights[head, token].float(),
-        rotary=rotary,
+        rotary=rotary, softcap=None if a is None else a.softcap, capped=capped, sink=sink, attention=a, role=rec.role,
+        rope_not_shown=rotary is None and run.info.rope is not None,
     )
 
 
@@ -151,6 +174,15 @@ def _group_line(view: NeuronView, lang: str) -> str:
 
 
 # ---------------------------------------------------------------------------- text
+def _scale_text(view: NeuronView, lang: str) -> str:
+    """The layer's scale and where it is applied (:func:`.layer_attention.scale_words`)."""
+    from .layer_attention import scale_words
+
+    if view.attention is None:
+        return _w("scale_plain", lang, scale=view.scale)
+    return scale_words(view.attention, lang)
+
+
 def _num(x: float) -> str:
     return f"{x:+7.3f}"
 
@@ -174,10 +206,27 @@ def render_text(view: NeuronView, lang: str = "en", *, dims: int = SHOWN_DIMS) -
              _group_line(view, lang), "",
              *_w("dims", lang, D=view.head_dim, n=n, rest=rest).split("\n"),
              f"  {'':<13} " + " ".join(f"{'d' + str(d):>7}" for d in shown) + (f" {_w('others', lang):>8}" if rest else "")]
+    a = view.attention
+    if view.role == "cross":
+        lines.insert(2, _w("cross", lang))
+    if a is not None and a.q_scale is not None:
+        lines.insert(-1, _scale_text(view, lang))
+    if a is not None and a.qk_norm:
+        lines.insert(-1, _w("qk_norm", lang))
+    if view.rope_not_shown:
+        lines.insert(-1, _w("rope_not_shown", lang))
     if view.rotary is not None:
         r = view.rotary
         i = view.token
-        lines += [row(_w("before", lang), r.q_before), row("cos", r.cos[i]), row("sin", r.sin[i])]
+        rd = r.cos.shape[-1]
+        lines.insert(-1, _w("rope_line", lang) if rd == view.head_dim else _w("rope_partial", lang, r=rd, D=view.head_dim))
+
+        def table(values: torch.Tensor, fill: float) -> torch.Tensor:   # a partial table: cos 1, sin 0 after it
+            pad = view.head_dim - values.shape[0]
+            return values if pad == 0 else torch.cat([values, values.new_full((pad,), fill)])
+
+        lines += [row(_w("before", lang), r.q_before), row("cos", table(r.cos[i], 1.0)),
+                  row("sin", table(r.sin[i], 0.0))]
     lines += [row("q", view.q), "", _w("scores", lang)]
     for j, t in enumerate(view.tokens):
         if not view.keep[j]:
@@ -186,12 +235,18 @@ def render_text(view: NeuronView, lang: str = "en", *, dims: int = SHOWN_DIMS) -
         other = f" {p[others].sum().item():+8.3f}" if rest else ""
         lines.append(f"  {j:>2} {t[:10]:<10} " + " ".join(_num(x) for x in p[shown].tolist())
                      + f"{other} = {view.dots[j].item():+.4f}")
-    lines += ["", _w("scale", lang, scale=view.scale, D=view.head_dim)]
+    lines += ["", _scale_text(view, lang) if a is None or a.q_scale is None else _w("scale_folded", lang)]
+    if view.softcap is not None:
+        lines.append(_w("softcap", lang, cap=f"{view.softcap:g}"))
+    if view.sink is not None:
+        lines.append(_w("sink", lang, head=view.head, logit=view.sink, mass=view.sink_mass))
+    lines.append(_w("then_softmax", lang))
     for j, t in enumerate(view.tokens):
         if view.keep[j]:
             w = view.weights[j].item()
             bar = "█" * round(w * 30)
-            lines.append(f"  {j:>2} {t[:10]:<10} {view.dots[j].item():+9.4f} → {view.scaled[j].item():+8.4f}"
+            cap = f" → {view.capped[j].item():+8.4f}" if view.capped is not None else ""
+            lines.append(f"  {j:>2} {t[:10]:<10} {view.dots[j].item():+9.4f} → {view.scaled[j].item():+8.4f}{cap}"
                          f"  w = {w:.4f} {bar}")
         else:
             lines.append(f"  {j:>2} {t[:10]:<10} {'':>9}   {'-inf':>8}  {_w('blocked', lang)}")
@@ -241,10 +296,12 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
     with k_j, q ⊙ k_j (a colored cell per head dim; hover for the value), the sum q·k_j, the
     scaled score and the weight as a number and a bar."""
     tok = view.tokens[view.token]
+    cap_th = f" → {view.softcap:g}·tanh(s / {view.softcap:g})" if view.softcap is not None else ""
     top_qk = max(view.q.abs().max().item(), view.k.abs().max().item())
     top_p = view.products.abs().max().item()
     head = (f"<tr><th></th><th>{_w('token', lang)}</th><th class=v>{_w('k', lang)}</th><th class=v>{_w('qk', lang)}</th>"
-            f"<th>{_w('sum', lang)}</th><th>{_w('scaled', lang)} {view.scale:.4g}</th><th class=w>{_w('weight', lang)}</th></tr>")
+            f"<th>{_w('sum', lang)}</th><th>{_w('scaled', lang)} {view.scale:.4g}{cap_th}</th><th class=w>{_w('weight', lang)}</th></tr>")
+    final = view.scaled if view.capped is None else view.capped
     rows = [f'<tr class="q"><td>q</td><td class="tok">{view.token} {escape(tok)}</td><td>{_vec(view.q, top_qk)}</td>'
             f'<td colspan="4"></td></tr>']
     for j, t in enumerate(view.tokens):
@@ -253,7 +310,7 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
             rows.append(
                 f'<tr class="key"><td>{j}</td><td class="tok">{escape(t)}</td><td>{_vec(view.k[j], top_qk)}</td>'
                 f'<td>{_vec(view.products[j], top_p)}</td><td class="num">{view.dots[j].item():+.3f}</td>'
-                f'<td class="num">{view.scaled[j].item():+.3f}</td><td class="num w">{w:.3f} '
+                f'<td class="num">{final[j].item():+.3f}</td><td class="num w">{w:.3f} '
                 f'<span class="bar" style="width:{round(w * 80)}px"></span></td></tr>')
         else:
             rows.append(f'<tr class="blocked"><td>{j}</td><td class="tok">{escape(t)}</td><td></td><td></td>'
@@ -268,8 +325,19 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
                   f"<tr><th>sin</th><td>{_vec(r.sin[i], 1.0)}</td></tr>"
                   f"<tr><th>{escape(_w('after', lang))}</th><td>{_vec(view.q, top_r)}</td></tr></table>")
     title = _w("title", lang, model=view.model, layer=view.layer, head=view.head, token=view.token, tok=tok)
+    a = view.attention
+    said = [_scale_text(view, lang)] + ([_w("cross", lang)] if view.role == "cross" else [])
+    if view.rope_not_shown:
+        said.append(_w("rope_not_shown", lang))
+    if a is not None and a.qk_norm:
+        said.append(_w("qk_norm", lang))
+    if view.softcap is not None:
+        said.append(_w("softcap", lang, cap=f"{view.softcap:g}"))
+    if view.sink is not None:
+        said.append(_w("sink", lang, head=view.head, logit=view.sink, mass=view.sink_mass))
+    steps_p = "".join(f"<p>{escape(line)}</p>" for line in said)
     return (f'<div class="mh-neuron" lang="{lang}"><style>{_CSS}</style><h3>{escape(title)}</h3>'
-            f"<p>{escape(_group_line(view, lang))}. {escape(_w('html_intro', lang))}</p>{rotary}"
+            f"<p>{escape(_group_line(view, lang))}. {escape(_w('html_intro', lang))}</p>{steps_p}{rotary}"
             f"<table>{head}{''.join(rows)}</table></div>")
 
 

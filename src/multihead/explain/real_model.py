@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
 import unicodedata
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -202,18 +203,48 @@ def _strongest(scores, labels, layers: list[int], heads: list[int]):
 
 
 def model_summary(real: RealRun, lang: str = "en") -> list[str]:
-    """Lines saying what the model is, as this run showed it: encoder or decoder (from the masks
-    its layers passed), its heads and key/value heads (which query heads share which kv head),
-    its rotary embedding."""
+    """Lines saying what the model is, as this run showed it (:mod:`.layer_attention`): each
+    kind of layer's mask (causal, sliding window, local, chunked; "decoder"/"encoder" when every
+    layer is alike), softcap, sinks, q/k norm, the scale where it is not 1/√D on the scores, its
+    heads and key/value heads (which query heads share which kv head), its rotary embedding
+    (per layer type where the config gives one per type)."""
+    from .layer_attention import layer_words, lines as attention_lines
+
     info = real.info
-    lines = [_t("decoder" if real.causal else "encoder", lang)]
+    roles = [r.role for r in real.layers]
+    if any(role != "self" for role in roles):   # an encoder-decoder: its three kinds of attention
+        lines = [_t("encdec", lang)]
+        for role in ("encoder", "decoder", "cross"):
+            ids = [i for i, r in enumerate(roles) if r == role]
+            if ids:
+                kinds = attention_lines([real.layers[i].attention for i in ids], lang)
+                what = kinds[0].split(": ", 1)[-1].split("：", 1)[-1] if len(kinds) == 1 or not kinds[1].startswith("  ") \
+                    else _t("mixed", lang)
+                lines.append("  " + _t("role_" + role, lang, which=layer_words(ids, lang), mask=what))
+        found = attention_lines([r.attention for r in real.layers], lang)[1:]
+        found = [x for x in found if not x.startswith("  ")]
+        lines.append(_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups="; ".join(
+            _t("group", lang, j=j, qs=f"{g[0]}-{g[-1]}") for j, g in enumerate(info.kv_groups)))
+            if info.kv_heads < info.heads else _t("mha", lang, heads=info.heads, D=info.head_dim))
+        return [_fit(line) for line in lines + found]
+    found = attention_lines([r.attention for r in real.layers], lang)
+    lines = found[:1]
     if info.kv_heads < info.heads:
         groups = "; ".join(_t("group", lang, j=j, qs=f"{g[0]}-{g[-1]}") for j, g in enumerate(info.kv_groups))
-        lines.append(_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups=groups))
+        gqa = [_t("gqa", lang, kv=info.kv_heads, D=info.head_dim, groups=groups)]
     else:
-        lines.append(_t("mha", lang, heads=info.heads, D=info.head_dim))
-    if info.rope is not None and info.rope.get("base") is not None:
-        lines.append(_t("rope", lang, type=info.rope["type"], base=float(info.rope["base"])))
+        gqa = [_t("mha", lang, heads=info.heads, D=info.head_dim)]
+    rest = found[1:]
+    per_layer = [x for x in rest if x.startswith("  ")]
+    lines += per_layer + gqa + [x for x in rest if not x.startswith("  ")]
+    rope = info.rope
+    if rope is not None and rope.get("base") is not None:
+        lines.append(_t("rope", lang, type=rope["type"], base=float(rope["base"])))
+    elif rope is not None and rope.get("per_type"):
+        for kind, params in rope["per_type"].items():
+            layers = [i for i, t in enumerate(rope.get("layer_types", ())) if t == kind]
+            lines.append(_t("rope_type", lang, kind=kind, type=params.get("rope_type", "default"),
+                            base=float(params.get("rope_theta") or 0.0), layers=", ".join(map(str, layers)) or "-"))
     return [_fit(line) for line in lines]
 
 
@@ -292,58 +323,101 @@ def _or(value: Optional[int], default: int) -> int:
 
 
 # ---------------------------------------------------------------------------- one real layer
+def _mask_params(a) -> dict:
+    """The mask step's params for a layer whose attention is ``a`` (:class:`.layer_attention.LayerAttention`)."""
+    parts: tuple[dict, ...]
+    if a.mask == "causal":
+        parts, code = ({"kind": "causal"},), "masks.causal()"
+    elif a.mask == "window":
+        parts, code = ({"kind": "window", "left": a.window - 1, "right": 0},), f"masks.window({a.window - 1})"
+    elif a.mask == "local":
+        parts, code = ({"kind": "window", "left": a.window - 1, "right": a.window - 1},), \
+            f"masks.window({a.window - 1}, {a.window - 1})"
+    elif a.mask == "chunked":
+        parts, code = ({"kind": "causal"}, {"kind": "chunked_local", "chunk": a.chunk}), \
+            f"masks.causal() & masks.chunked_local({a.chunk})"
+    else:
+        parts, code = ({"kind": "keep"},), "masks.keep(mask)"
+    return {"kinds": tuple(p["kind"] for p in parts), "parts": parts, "sink": a.sinks is not None, "code": code}
+
+
 def layer_trace(real: RealRun, layer: int) -> Trace:
     """The steps of ``layer`` on the sentence, recorded through the step catalogue
-    (:mod:`multihead.steps`) with the tensors the model computed (batch 1): input, the Q/K/V
-    projections, the head split and transpose, the rotary embedding with the model's own cos/sin
-    (in the steps' ``extras``), the kv heads repeated for grouped-query attention, multihead's
-    scores, the scale, the mask, the softmax, weights × V, the merge and the output projection.
+    (:mod:`multihead.steps`) with the tensors the model computed (batch 1), as the layer's
+    description (:mod:`.layer_attention`) says it ran them: input, the Q/K/V projections, the
+    scale folded into q (OPT, BART), the head split and transpose, the q/k norm (Qwen 3), the
+    rotary embedding with the model's own cos/sin (in the steps' ``extras``; partial when it
+    turns fewer than D dims), the kv heads repeated for grouped-query attention, multihead's
+    scores, the layer's scale, the softcap (Gemma 2), the mask (causal, window, local, chunked),
+    the sinks (gpt-oss), the softmax, weights × V, the merge and the output projection. Each
+    step follows from the one before (:func:`multihead.explain.checks.chain_checks`).
 
     The trace's root is the model, so each step carries the layer's module path and index.
     Raises ValueError for ``layer`` out of range, or a layer whose input multihead did not record
-    (an attention layout other than BERT's or Llama's).
+    (an attention layout other than BERT's, Llama's or OPT's).
     """
     real.check_indices(layer=layer)
     rec, info = real.layers[layer], real.info
+    a = rec.attention
     if rec.hidden is None or rec.q_proj is None or rec.k_proj is None:
-        raise ModelError(f"--token: {info.title}'s attention layout is not BERT's or Llama's, so its projections "
-                         "were not recorded; use --neuron, which needs only q, k and v")
+        raise ModelError(f"--token: {info.title}'s attention layout is not BERT's, Llama's or OPT's, so its "
+                         "projections were not recorded; use --neuron, which needs only q, k and v")
+    if rec.cos is None and real.net is not None and _rotary_missing(rec):
+        raise ModelError(f"--token: layer {layer} of {info.title} changes q between its projection and the attention "
+                         "call in a way the step catalogue cannot show (no rotary layout reproduces it); use --neuron")
     H, Hkv, L, D = rec.q.shape[0], rec.k.shape[0], rec.q.shape[1], rec.q.shape[-1]
     d = rec.hidden.shape[-1]
     tr = Trace(root=real.net)
     tr.set_config(d_in=d, kdim=d, d_out=H * D, num_heads=H, num_kv_heads=Hkv, head_dim=D, dropout=0.0,
-                  causal=rec.causal, bias=rec.module_bias, rope=rec.cos is not None, backend="reference")
+                  causal=a.causal, bias=rec.module_bias, rope=rec.cos is not None, backend="reference")
     b = rec.module_bias
     tr.record(steps.INPUT, rec.hidden[None], module=rec.module)
+    q_heads = rec.q_proj if a.q_scale is None else rec.q_proj * a.q_scale
     heads = {"Q": rec.q_proj, "K": rec.k_proj, "V": rec.v}
     for role, t in heads.items():
         tr.record(steps.PROJECT, t.transpose(0, 1).reshape(1, L, -1), role=role,
                   params={"f_in": d, "bias": b, "fused": None})
+    if a.q_scale is not None:
+        tr.record(steps.SCALE_Q, q_heads.transpose(0, 1).reshape(1, L, -1), role="Q",
+                  params={"scale": a.q_scale, "head_dim": D})
+    heads["Q"] = q_heads
     for role, t in heads.items():
         split = t.transpose(0, 1)[None]
         tr.record(steps.SPLIT_HEADS, split, role=role)
         tr.record(steps.MOVE_HEADS_FORWARD, t[None], role=role)
+    if rec.q_normed is not None and rec.k_normed is not None:
+        for role, t in (("Q", rec.q_normed), ("K", rec.k_normed)):
+            tr.record(steps.QK_NORM, t[None], role=role)
     if rec.cos is not None and rec.sin is not None:
-        base = float((info.rope or {}).get("base") or 0.0)
+        base = float(_rope_base(info.rope, layer, real) or 0.0)
         for role, t in (("Q", rec.q), ("K", rec.k)):
             tr.record(steps.ROPE, t[None], role=role,
-                      params={"positions": "offset", "start": 0, "stop": L - 1, "base": base},
+                      params={"positions": "offset", "start": 0, "stop": L - 1, "base": base,
+                              "rotary_dim": rec.cos.shape[-1], "head_dim": D},
                       extras={"cos": rec.cos, "sin": rec.sin})
     g = H // Hkv
     if g > 1:
         for role, t in (("K", rec.k), ("V", rec.v)):
             tr.record(steps.REPEAT_KV, t.repeat_interleave(g, 0)[None], role=role, params={"groups": g})
     tr.record(steps.SCORES, rec.scores[None], params={"head_dim": D})
-    scaled = rec.scores * rec.scale
-    tr.record(steps.SCALE, scaled[None], params={"scale": rec.scale, "head_dim": D,
-                                                 "default": is_default_scale(rec.scale, D)})
+    scaled = rec.scores
+    if a.q_scale is None or rec.scale != 1.0:
+        scaled = rec.scores * rec.scale
+        tr.record(steps.SCALE, scaled[None], params={"scale": rec.scale, "head_dim": D,
+                                                     "default": is_default_scale(rec.scale, D)})
+    if a.softcap is not None:
+        scaled = a.softcap * torch.tanh(scaled / a.softcap)
+        tr.record(steps.SCORE_MOD, scaled[None], params={"kinds": ("softcap",),
+                                                         "parts": ({"kind": "softcap", "cap": a.softcap},)})
+    if rec.bias is not None:
+        scaled = scaled + rec.bias
+        tr.record(steps.ADD_BIAS, scaled[None])
     if not bool(rec.keep.all()):
-        kinds = ("causal",) if rec.causal else ("keep",)
-        tr.record(steps.MASK, scaled.masked_fill(~rec.keep, float("-inf"))[None],
-                  params={"kinds": kinds, "parts": tuple({"kind": k} for k in kinds), "sink": False,
-                          "code": "masks.causal()" if rec.causal else "masks.keep(mask)"},
-                  extras={"keep": rec.keep[None]})
-    tr.record(steps.SOFTMAX, rec.weights[None])
+        scaled = scaled.masked_fill(~rec.keep, float("-inf"))
+        tr.record(steps.MASK, scaled[None], params=_mask_params(a), extras={"keep": rec.keep[None]})
+    if a.sinks is not None:
+        tr.record(steps.SINK, scaled[None], params={"logits": list(a.sinks)})
+    tr.record(steps.SOFTMAX, rec.weights[None], params={"sink": True} if a.sinks is not None else None)
     tr.record(steps.WEIGHTED_SUM, rec.out[None], params={"lk": L})
     back = rec.out.transpose(0, 1)[None]
     tr.record(steps.MOVE_HEADS_BACK, back)
@@ -353,6 +427,25 @@ def layer_trace(real: RealRun, layer: int) -> Trace:
     return tr
 
 
+def _rotary_missing(rec) -> bool:
+    """Whether the layer's q differs from its (normed) projection although no rotary layout was found."""
+    before = rec.q_normed if rec.q_normed is not None else rec.q_proj
+    if rec.attention.q_scale is not None:
+        return False
+    return not torch.equal(before, rec.q)
+
+
+def _rope_base(rope, layer: int, real: RealRun):
+    """The rotary base of ``layer``: the config's, or its layer type's (ModernBERT, Gemma 3)."""
+    if not rope:
+        return None
+    if rope.get("base") is not None:
+        return rope["base"]
+    per = rope.get("per_type") or {}
+    types = rope.get("layer_types") or ()
+    if layer < len(types) and types[layer] in per:
+        return per[types[layer]].get("rope_theta")
+    return None
 
 
 def _w(key: str, lang: str, **kw) -> str:
@@ -396,12 +489,25 @@ def layer_walkthrough(real: RealRun, layer: int, head: int, token: int, lang: st
         elif k is steps.MOVE_HEADS_FORWARD and step.role == "Q":
             out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
         elif k is steps.ROPE and step.role == "Q":
-            out += [_fit(_w("rotary", lang, t=t)), "   cos" + _vec(step.extras["cos"][t], n)[2:],
+            r = step.extras["cos"].shape[-1]
+            out += [_fit(_w("rotary", lang, t=t) if r == D else _w("rotary_partial", lang, t=t, r=r, D=D)),
+                    "   cos" + _vec(step.extras["cos"][t], n)[2:],
                     "   sin" + _vec(step.extras["sin"][t], n)[2:], f"   q[{head}, {t}] " + _vec(x[0, head, t], n)[3:]]
         elif k is steps.REPEAT_KV and step.role == "K":
             group = ", ".join(map(str, info.kv_groups[kv])) if info.kv_heads == Hkv else str(kv)
             out.append(_fit(_w("group", lang, head=head, kv=kv, group=group)))
-        elif k in (steps.SCORES, steps.SCALE, steps.SOFTMAX):
+        elif k is steps.QK_NORM and step.role == "Q":
+            out.append(f"   [{head}, {t}] " + _vec(x[0, head, t], n)[3:])
+        elif k is steps.SCALE_Q:
+            out.append(_fit(_w("scale_q", lang, s=step.params["scale"], t=t)))
+            out.append(f"   [{t}] " + _vec(x[0, t], n)[3:])
+        elif k is steps.SINK:
+            logit = float(step.params["logits"][head])
+            weights = tr.steps[i].tensor   # the softmax, the step after this one
+            assert weights is not None
+            taken = 1 - float(weights[0, head, t].sum())
+            out.append(_fit(_w("sink", lang, head=head, logit=logit, t=t, taken=taken)))
+        elif k in (steps.SCORES, steps.SCALE, steps.SCORE_MOD, steps.SOFTMAX):
             out.append(_w("row", lang, t=t, tok=tok))
             row = x[0, head, t]
             for j, key in enumerate(tokens):
@@ -427,7 +533,8 @@ def default_layer(labels) -> int:
 
 def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm", text: str = "",
                lang: str = "en", keep: Optional[torch.Tensor] = None, title: Optional[str] = None,
-               layers: Optional[Sequence[LayerRecord]] = None) -> list:
+               layers: Optional[Sequence[LayerRecord]] = None,
+               operand_layers: Optional[Sequence[int]] = None) -> list:
     """One :class:`~multihead.explain.visual.HeadMaps` per layer, for the visual formats.
 
     weights: (layers, H, L, L) from :func:`attention_for_text`; ``tokens`` label both axes; keep:
@@ -440,7 +547,10 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
     computed) and their operands, the queries (H, L, D) and the keys per kv head (Hkv, L, D) the
     layer passed to the attention function (after the rotary embedding for a Llama-family model),
     with the scale, so the page works the score under the pointer out by hand. A layer that adds
-    a bias to its scores gets no operands (q·k × scale is not its score).
+    a bias to its scores gets no operands (q·k × scale is not its score). A layer that caps its
+    scores (softcap) or has sinks carries them, and its scores are the capped ones (what the
+    softmax read). operand_layers: the layers whose scores, q and k are embedded (None: every
+    layer); the notebook cell embeds only the layer it opens at, which keeps the cell lighter.
     """
     from .visual import HeadMaps
 
@@ -459,16 +569,25 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
         if layers is None:
             return {}
         rec = layers[layer]
+        a = rec.attention
         scaled = rec.scores.float() * rec.scale
+        extra: dict = {}
+        if a is not None and a.softcap is not None:
+            scaled = a.softcap * torch.tanh(scaled / a.softcap)
+            extra["softcap"] = a.softcap
+        if a is not None and a.sinks is not None:
+            extra["sink"] = list(a.sinks)
         if rec.bias is not None:
-            return {"scores": scaled + rec.bias}
-        return {"scores": scaled, "q": rec.q.float(), "k": rec.k.float(), "scale": rec.scale}
+            return {"scores": scaled + rec.bias, **extra}
+        if operand_layers is not None and layer not in operand_layers:
+            return extra   # the notebook cell: weights only, away from the layer it opens at
+        return {"scores": scaled, "q": rec.q.float(), "k": rec.k.float(), "scale": rec.scale, **extra}
 
     return [
         HeadMaps(
             weights[layer], q_tokens=list(tokens), k_tokens=list(tokens),
-            title=_t("layer_title", lang, model=name, layer=layer, text=text),
-            keep=None if keep is None else keep[layer],
+            title=_t("layer_title", lang, model=name, layer=layer, text=text) + _role_title(layers, layer, lang),
+            keep=None if keep is None or bool(keep[layer].all()) else keep[layer],
             head_labels={lg: [head_label(layer, h, lg) for h in range(weights.shape[1])] for lg in ("en", "zh")},
             **operands(layer),
         )
@@ -476,8 +595,15 @@ def layer_maps(tokens: list[str], weights: torch.Tensor, *, model: str = "minilm
     ]
 
 
+def _role_title(layers: Optional[Sequence[LayerRecord]], layer: int, lang: str) -> str:
+    """" · cross-attention (decoder → encoder)" and the like for an encoder-decoder's layers, else ""."""
+    if layers is None or layers[layer].role == "self":
+        return ""
+    return " · " + _t("title_" + layers[layer].role, lang)
+
+
 def _page_parts(real: RealRun, *, model: str, layer: Optional[int], head: Optional[int], neuron: bool,
-                token: Optional[int], lang: str) -> tuple[list, list, int, int]:
+                token: Optional[int], lang: str, operand_layers=lambda start: None) -> tuple[list, list, int, int]:
     """``(maps, fragments, layer, head)`` of a real model's page: every layer's maps with the
     operands of the worked score (:func:`layer_maps`), the neuron view as a fragment when asked
     (of ``layer``/``head``, default 0, and ``token``, default the last), and the layer (default
@@ -490,10 +616,10 @@ def _page_parts(real: RealRun, *, model: str, layer: Optional[int], head: Option
         view = neuron_view(real, _or(layer, 0), _or(head, 0), _or(token, len(real.tokens) - 1))
         fragments.append(neuron_fragment(view))
     weights = real.weights
-    keep = None if not real.causal else real.keep
-    maps = layer_maps(real.tokens, weights, model=model, text=real.text, lang=lang, keep=keep,
-                      title=real.info.title, layers=real.layers)
+    keep = real.keep
     start = default_layer(label_heads(pattern_scores(weights, keep))) if layer is None else layer
+    maps = layer_maps(real.tokens, weights, model=model, text=real.text, lang=lang, keep=keep,
+                      title=real.info.title, layers=real.layers, operand_layers=operand_layers(start))
     return maps, fragments, start, _or(head, 0)
 
 
@@ -532,28 +658,45 @@ class ModelPage:
     """A real model's explain page, for Python and notebooks (:func:`explain_model`).
 
     run: the :class:`~multihead.explain.models.RealRun` shown; page: the whole HTML page (what
-    ``multihead explain --model ... --format html`` writes). In Jupyter it displays inline
-    (``_repr_html_``: the page in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS
-    and language switch stay out of the notebook).
+    ``multihead explain --model ... --format html`` writes: every layer's q and k for the worked
+    score). In Jupyter it displays inline (``_repr_html_``: a lighter page, with the scores, q and k
+    only for the layer it opens at (every layer's weights), in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
+    language switch stay out of the notebook).
     """
 
     run: RealRun
     page: str
+    options: dict = field(default_factory=dict, repr=False, compare=False)
 
     def html(self) -> str:
         """The page, to write to a file."""
         return self.page
 
+    @functools.cached_property
+    def notebook_page(self) -> str:
+        """The page with the scores, q and k (the worked score's operands) of the opening layer only."""
+        return _render(self.run, light=True, **self.options)
+
     def _repr_html_(self) -> str:
         from .notebook import iframe
 
-        return iframe(self.page, title=f"multihead: {self.run.info.title}")
+        return iframe(self.notebook_page, title=f"multihead: {self.run.info.title}")
 
     def __repr__(self) -> str:
         """One line (the page itself is about a megabyte for a 30-layer model)."""
         info = self.run.info
         return (f"<multihead.ModelPage: {info.title}, {info.layers} layers x {info.heads} heads, "
                 f"{len(self.run.tokens)} tokens, a {len(self.page) // 1000:,} kB page; .html(), .run>")
+
+
+def _render(real: RealRun, *, model: str, layer: Optional[int], head: Optional[int], neuron: bool,
+            token: Optional[int], lang: str, light: bool = False) -> str:
+    from . import visual
+
+    maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
+                                                token=token, lang=lang,
+                                                operand_layers=(lambda s: [s]) if light else (lambda s: None))
+    return visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
 
 
 def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
@@ -573,8 +716,6 @@ def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
         TypeError: an index that is not an int, or ``neuron`` not a bool.
         ImportError: the ``hf`` extra or the model's package is missing.
     """
-    from . import visual
-
     if lang not in ("en", "zh"):
         raise ValueError(f"lang must be 'en' or 'zh', got {lang!r}")
     if not isinstance(neuron, bool):
@@ -598,16 +739,13 @@ def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= value < count:
             raise ValueError(f"{name} {value} is out of range: {loaded.title} has {what} 0-{count - 1}")
-    with progress(f"explaining {loaded.title}", total=3) as bar:
+    options: dict = dict(model=model, layer=layer, head=head, neuron=neuron, token=token, lang=lang)
+    with progress(f"explaining {loaded.title}", total=2) as bar:
         real = loaded.run(text)
-        bar.update(note="maps")
-        maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
-                                                    token=token, lang=lang)
         bar.update(note="page")
-        page = visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+        page = _render(real, **options)
         bar.update()
-    return ModelPage(real, page)
-
+    return ModelPage(real, page, options)
 
 @dataclass(frozen=True, repr=False)
 class AttentionsPage:

@@ -63,6 +63,10 @@ class HeadMaps:
         head h // (H / Hkv), as grouped-query attention does), the operands of the scores, or None; with both and ``scale`` the page works one
         score out by hand (q_i · k_j = Σ_d q_id k_jd, times the scale) for the cell under the pointer.
     scale: the factor the scores were multiplied by (1/√D by default), or None.
+    softcap: the cap of a layer that squashes its scaled scores (s -> cap·tanh(s / cap)); the
+        ``scores`` are then the capped ones, and the worked score shows the cap. None: no cap.
+    sink: (H,) sink logits that join each row's softmax denominator (rows then sum to less than 1),
+        or None.
     """
 
     weights: torch.Tensor
@@ -75,6 +79,8 @@ class HeadMaps:
     q: Optional[torch.Tensor] = None
     k: Optional[torch.Tensor] = None
     scale: Optional[float] = None
+    softcap: Optional[float] = None
+    sink: Optional[Sequence[float]] = None
 
     def __post_init__(self):
         if not isinstance(self.weights, torch.Tensor) or self.weights.dim() != 3:
@@ -148,6 +154,7 @@ def attention_steps(trace: Trace, *, call: Optional[int] = None) -> Optional[Att
         return next((s for s in where if s.kind is kind and (role is None or s.role == role)), None)
 
     raw, scaled, softmax = first(steps.SCORES), first(steps.SCALE), first(steps.SOFTMAX)
+    scaled = scaled or raw   # a layer whose scale is folded into q (OPT) records no scale step
     if raw is None or scaled is None or softmax is None:
         return None
     i_raw, i_soft = where.index(raw), where.index(softmax)
@@ -180,12 +187,23 @@ def head_maps_from_trace(
     weights, scores, before = found.softmax.tensor, found.scaled.tensor, found.before_softmax.tensor
     q = found.q.tensor if found.q is not None else None
     k = found.k.tensor if found.k is not None else None
+    if q is None or k is None:   # a trace of the functional core: the keys' repeat alone, no queries
+        q = k = None
     # keep_values keeps every step's tensor or none: one None means all are
     if weights is None or scores is None or before is None:
         raise ValueError("the trace kept no values; record it with multihead.trace(keep_values=True)")
     keep = before != float("-inf")
+    where = trace.select(call=found.softmax.call) if found.softmax.call is not None else trace.steps
+    mods = [st for st in where if st.kind is steps.SCORE_MOD]
+    softcap = None
+    if len(mods) == 1 and tuple(mods[0].params["kinds"]) == ("softcap",) and mods[0].tensor is not None:
+        softcap, scores = float(mods[0].params["parts"][0]["cap"]), mods[0].tensor
+    elif mods:
+        q = k = None   # a score mod of the user's: q·k × scale is not the score the softmax read
+    sinks = [st for st in where if st.kind is steps.SINK]
+    sink = sinks[0].params["logits"] if sinks else None
     cfg = trace.config
-    scale = float(found.scaled.params["scale"]) if q is not None else None
+    scale = float(found.scaled.params.get("scale", 1.0)) if q is not None else None
     desc = (
         f"d_in={cfg.get('d_in')}, H={cfg.get('num_heads')}, Hkv={cfg.get('num_kv_heads')}, "
         f"D={cfg.get('head_dim')}, causal={cfg.get('causal')}"
@@ -195,6 +213,7 @@ def head_maps_from_trace(
             weights=weights[b], scores=scores[b], keep=keep[b],
             q_tokens=q_tokens, k_tokens=k_tokens, title=f"MultiHeadAttention({desc}) · b = {b}",
             q=q[b] if q is not None else None, k=k[b] if k is not None else None, scale=scale,
+            softcap=softcap, sink=sink,
         )
         for b in range(weights.shape[0])
     ]
@@ -284,6 +303,8 @@ def page_data(
                 "q": _floats(m.q) if m.q is not None else None,
                 "k": _floats(m.k) if m.k is not None else None,
                 "scale": m.scale,
+                "softcap": m.softcap,
+                "sink": [float(x) for x in m.sink] if m.sink is not None else None,
             }
             for m in maps
         ],

@@ -278,7 +278,7 @@ def _module_code(w: Walkthrough) -> str:
 
 def _summary_lines(w: Walkthrough, lang: str) -> list[tuple[str, str]]:
     c, s, cfg = w.config, w.sizes(), w.trace.config
-    parts = [word("sizes", lang, **s)] if "H" in s and "B" in s else []
+    parts = [word("sizes", lang, **s)] if "H" in s and "B" in s and "d_in" in s else []
     if s.get("Hkv", s.get("H")) != s.get("H"):
         parts.append(word("kv_heads", lang, **s))
     if c is not None and c.keys is not None:

@@ -80,7 +80,13 @@
       "  = " + num(sum) + "   (" + ui("worked_sum").replace("{D}", String(D)) + ")",
       "s" + ij + " = " + num(sum) + " \u00d7 " + map.scale.toPrecision(4) + " = " + num(scaled) + "   (" + ui("worked_scaled") + ")"
     ];
+    if (map.softcap) { // s -> cap tanh(s / cap), after the scale, before the mask
+      var capped = map.softcap * Math.tanh(scaled / map.softcap);
+      lines.push("  \u2192 " + map.softcap + "\u00b7tanh(s / " + map.softcap + ") = " + num(capped) + "   (" + ui("worked_softcap") + ")");
+      scaled = capped;
+    }
     if (map.keep && !map.keep[h][i][j]) lines.push(ui("mask") + ": " + ui("blocked") + " \u2192 \u2212\u221e");
+    if (map.sink) lines.push(ui("worked_sink").replace("{logit}", map.sink[h].toFixed(4)));
     document.getElementById("worked-text").textContent = lines.join("\n");
     box.dataset.head = String(h); box.dataset.q = String(i); box.dataset.k = String(j);
     box.dataset.sum = String(sum); box.dataset.scaled = String(scaled); box.dataset.terms = String(D);
