@@ -69,6 +69,20 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each 
 if _WORKERS > 1:
     torch.set_num_threads(max(1, _cores() // _WORKERS))
 
+@pytest.fixture(scope="session")
+def smollm2_model():
+    """SmolLM2-135M-Instruct as ``multihead.explain.models.load("smollm2")`` gives it (float32,
+    its attention on multihead): one load per process, shared with every other load of it there,
+    and, since the tests that ask for it join the ``smollm2`` group, one load per run under
+    xdist. Skips, saying what to install, when the weights package or gguf is missing."""
+    from multihead.explain import models
+
+    try:
+        return models.load("smollm2")
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
 #: test files each of whose tests belongs to a slow family
 FAMILY_OF_FILE = {
     "test_distributed.py": "multiprocess",
@@ -161,6 +175,7 @@ def _module_fixtures(item: pytest.Item) -> list[str]:
     return names
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from its markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouping = config.pluginmanager.hasplugin("xdist")
     for item in items:
