@@ -23,9 +23,8 @@ them (a test may also carry one itself):
 
 In parallel (pytest-xdist, ``make test`` runs ``-n auto --dist loadgroup``):
 
-* each worker's torch takes its share of the cores as intra-op threads (cores // workers, at least
-  2: :data:`WORKER_THREADS`), so that 4 workers on 8 cores do not run 32 threads; tests about
-  threads set their own counts;
+* each worker's torch takes its share of the cores as intra-op threads (cores // workers:
+  :data:`WORKER_THREADS`); tests about threads set their own counts;
 * tests that share an expensive fixture run on one worker, so it is built once: those of a test
   module that use a module-scoped fixture of that module (a ring of worker processes, a browser,
   a notebook kernel, a mypy run, a model) form one group, and every test that loads SmolLM2
@@ -66,13 +65,14 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-#: torch's intra-op threads in each xdist worker: its share of the cores, but never fewer than 2,
-#: the count a 2-core CI machine has always run the suite with (some tests compare a result made
-#: at 2 threads with one made at the default count, which must then be 2 as well).
+#: torch's intra-op threads in each xdist worker: its share of the cores, so that two workers on
+#: two cores do not run four threads (measured here: `make test-fast` took as many CPU-seconds at
+#: 2 threads per worker as the whole suite at 1). Tests about threads set their own counts.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each xdist worker
-WORKER_THREADS = max(2, _cores() // max(1, _WORKERS))
+WORKER_THREADS = max(1, _cores() // max(1, _WORKERS))
 if _WORKERS > 1 and torch.get_num_threads() > WORKER_THREADS:
     torch.set_num_threads(WORKER_THREADS)
+
 
 @pytest.fixture(scope="session")
 def smollm2_model():
