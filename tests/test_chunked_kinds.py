@@ -184,7 +184,8 @@ def test_mask_mod_with_a_block_plan_skips_empty_tiles_and_evaluates_only_partial
     m = masks.mask_mod(banded).with_plan(plan)
     calls.clear()
     chunked.BLOCKS_COMPUTED.clear()
-    got = chunked_attention(q, k, v, m, block_q=4, block_k=4, return_lse=True)
+    with torch_threads(2):  # the query blocks shared among threads, one tile per call (with one
+        got = chunked_attention(q, k, v, m, block_q=4, block_k=4, return_lse=True)  # thread: panels)
     states = plan.states[0, 0]
     assert chunked.BLOCKS_COMPUTED["forward"] == int((states != 0).sum())
     for q0, q1, k0, k1 in calls:  # the function saw partial tiles only

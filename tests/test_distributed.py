@@ -1,10 +1,10 @@
 """Ring attention across real processes: outputs and gradients equal single-process attention.
 
 Each process costs a torch import, so the tests launch 4 worker processes once (gloo on
-loopback, a free port chosen here). They run every case of :data:`CASES` on three rings: all 4
+loopback, meeting through a file store in the test's folder). They run every case of :data:`CASES` on three rings: all 4
 ranks, and the subgroups (0, 1) and (2, 3) side by side; then a hung rank and a crashed rank.
 The parent compares the gathered shards with ``multihead.attention`` on the whole sequence.
-By hand: ``python tests/test_distributed.py RANK 4 PORT OUTDIR`` for RANK = 0..3.
+By hand: ``python tests/test_distributed.py RANK 4 file:///tmp/ring/rendezvous /tmp/ring`` for RANK = 0..3.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -165,14 +164,14 @@ def _failure_report(group, rank: int, world: int, timeout: float) -> dict:
     return report
 
 
-def _worker(rank: int, world: int, port: int, outdir: Path) -> None:
+def _worker(rank: int, world: int, rendezvous: str, outdir: Path) -> None:
     import torch.distributed as dist
 
     from multihead import distributed as mhd
 
     assert world == 4, "the worker runs the 4-rank ring and two 2-rank subgroups"
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=rendezvous, rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=30),
     )
     pair = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank takes part in creating both
@@ -208,10 +207,11 @@ def _worker(rank: int, world: int, port: int, outdir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ parent side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(outdir: Path) -> str:
+    """Where the ranks meet: a file in the test's own folder (torch's FileStore), not a TCP port,
+    so that rings started at once by parallel test workers (pytest-xdist) cannot collide, and no
+    port picked here can be taken by another process before rank 0 listens on it."""
+    return (outdir / "rendezvous").as_uri()
 
 
 @pytest.fixture(scope="module")
@@ -219,10 +219,9 @@ def launched(tmp_path_factory):
     """Start the 4 worker processes once; their shards, failure reports and logs."""
     outdir = tmp_path_factory.mktemp("ring")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(r), "4", str(port), str(outdir)],
+            [sys.executable, __file__, str(r), "4", _rendezvous(outdir), str(outdir)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(4)
@@ -413,12 +412,12 @@ def _cp_rope_case(name: str):
     return mha, x, dout, keep
 
 
-def _cp_rope_worker(rank: int, port: int, outdir: str) -> None:
+def _cp_rope_worker(rank: int, rendezvous: str, outdir: str) -> None:
     import torch.distributed as dist
 
     from multihead.distributed import ContextParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))
     results = {}
     for name, (layout, _, _, _) in CP_ROPE_CASES.items():
@@ -437,8 +436,7 @@ def cp_rope_shards(tmp_path_factory):
     """Run every CP_ROPE_CASES case on a 2-rank ring; each rank's results."""
     outdir = tmp_path_factory.mktemp("cp_rope")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    port = _free_port()
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_distributed as t; t._cp_rope_worker(int(sys.argv[1]), {port}, sys.argv[2])"
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_distributed as t; t._cp_rope_worker(int(sys.argv[1]), {_rendezvous(outdir)!r}, sys.argv[2])"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(outdir)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     logs = []
@@ -498,4 +496,4 @@ def test_context_parallel_with_rope_asks_for_a_process_group():
         cp(torch.randn(1, 4, 16))
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))

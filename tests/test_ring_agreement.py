@@ -12,8 +12,8 @@ by; then a rank rejecting its own arguments, a call that must work, and the back
 the last of which breaks the group. Each case's outcome is written as soon as it is known, so
 a rank that dies leaves the ones it finished; every ring wait is bounded by ``timeout`` and the
 launch by a deadline, so old code fails these tests instead of hanging them (on f400da4 the
-first case kills rank 2 by SIGABRT). By hand: ``python tests/test_ring_agreement.py RANK 3 PORT
-OUTDIR`` for RANK = 0, 1, 2. The in-process tests at the end check the descriptor's encoding
+first case kills rank 2 by SIGABRT). By hand: ``python tests/test_ring_agreement.py RANK 3
+file:///tmp/ring/rendezvous /tmp/ring`` for RANK = 0, 1, 2. The in-process tests at the end check the descriptor's encoding
 and the messages for 4 ranks with ties, without processes.
 """
 
@@ -36,7 +36,7 @@ from multihead import masks
 from multihead import distributed as mhd
 from multihead.distributed import ring_attention, shard_sequence, unshard_sequence
 from oracle import judge, naive_attention
-from test_distributed import SRC, _free_port
+from test_distributed import SRC, _rendezvous
 
 WORLD = 3
 RING_TIMEOUT = 10.0  # seconds a rank waits for a peer (in old code, instead of hanging)
@@ -99,12 +99,12 @@ def _full_sequence(rank: int):
     return q, k, v, dout, rows
 
 
-def _worker(rank: int, world: int, port: int, outdir: Path) -> None:
+def _worker(rank: int, world: int, rendezvous: str, outdir: Path) -> None:
     import torch.distributed as dist
 
     assert world == WORLD, f"the cases are written for {WORLD} ranks"
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=rendezvous, rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=30),
     )
 
@@ -163,10 +163,9 @@ def launched(tmp_path_factory):
     """Start the 3 worker processes once; their outcomes, exit codes and logs."""
     outdir = tmp_path_factory.mktemp("agreement")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(r), str(WORLD), str(port), str(outdir)],
+            [sys.executable, __file__, str(r), str(WORLD), _rendezvous(outdir), str(outdir)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(WORLD)
@@ -343,4 +342,4 @@ def test_agreeing_ranks_and_a_single_rank_pass():
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
