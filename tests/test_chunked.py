@@ -779,15 +779,14 @@ def test_module_with_chunked_backend_trains_under_cpu_autocast(monkeypatch):
     assert_agrees("module, chunked, under autocast", out, grads, oracle, torch.bfloat16)
 
 def test_explain_dispatch_says_which_products_the_tiles_use_and_the_cpu_features(monkeypatch):
-    """Issue 13 item 6: Dispatch.how names the dtype of the matrix products (bfloat16 only for
-    bfloat16 inputs on a CPU with bf16 units, or when forced) and the CPU features it read."""
+    """Issue 13 item 6, issue 22 item 4: Dispatch.how names the dtype of the matrix products
+    (float32 for bfloat16 inputs: the torch tiles never take bfloat16 products) and the CPU
+    features it read."""
     q = torch.randn(1, 2, 8, 4).bfloat16()
     m = masks.causal() & masks.softcap(5.0)  # sdpa refuses a score mod: auto runs chunked
     monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
-    monkeypatch.setattr(_tiles, "BF16_PRODUCTS", False)
     how = mh.explain_dispatch(q, q, q, m).how
     assert "products, softmax and sums in float32" in how and _tiles.cpu_features() in how
-    monkeypatch.setattr(_tiles, "BF16_PRODUCTS", True)
-    assert "bfloat16 matrix products, softmax and sums in float32" in mh.explain_dispatch(q, q, q, m).how
-    assert "in float32" in mh.explain_dispatch(q.float(), q.float(), q.float(), m).how  # fp32 inputs: never
+    assert "bfloat16 matrix products" not in how
+    assert "in float32" in mh.explain_dispatch(q.float(), q.float(), q.float(), m).how
     assert _tiles.cpu_features().startswith(torch.backends.cpu.get_cpu_capability())

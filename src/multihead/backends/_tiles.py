@@ -62,12 +62,12 @@ the mods read (``part.tensors``, inputs of the autograd function, e.g. a learned
 score_mod indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
 itself: a double backward raises a clear error (use ``backend="reference"``).
 
-Matrix products in bfloat16 (:data:`BF16_PRODUCTS`): for bfloat16 inputs on a CPU with native
-bfloat16 matrix units (AMX or AVX512-BF16, :func:`native_bf16`), the two forward products take
-bfloat16 operands (q kᵀ unscaled, p rounded to bfloat16 for p V), as the naive bfloat16
-reference rounds them; the scale, the shift, the exponentials, the row sums and the
-accumulation stay in float32. Elsewhere the tiles compute in float32 (bfloat16 products without
-the units are slower, not faster).
+Precision: the tiles compute in the compute dtype (float32 for float16/bfloat16 inputs, which
+are cast once; the output is cast back once). The products are never taken in bfloat16: torch's
+bfloat16 ``bmm`` on the CPU returns bfloat16, so q kᵀ would be rounded to 8 bits of mantissa
+before the softmax (an error of about 1 at scores of a few units, where float32 scores give a few
+thousandths), and CPU ``mm`` has no float32 output for bfloat16 operands. The native kernel
+(:mod:`multihead.backends.native`) takes bfloat16 operands into float32 products instead.
 
 Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, dealt
 out back and forth (0, 1, .., n-1, n-1, .., 0, ..: equal work under a causal mask), each running
@@ -105,8 +105,8 @@ import torch
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
 from ..masks import AllOf, Mask, split_additive
 
-__all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "BF16_PRODUCTS", "Tiles", "attend", "merge",
-           "with_sink", "native_bf16", "cpu_features", "bf16_products"]
+__all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "Tiles", "attend", "merge",
+           "with_sink", "native_bf16", "cpu_features"]
 
 #: most scores (B·Hkv x rows x keys) one panel of tiles computes at once (8 MiB in float32):
 #: each op is big enough for torch's intra-op threads, its scores still fit in a CPU cache,
@@ -115,10 +115,6 @@ PANEL_SCORES = 2 ** 21
 #: share the query blocks among torch.get_num_threads() threads (CPU); False: all in the
 #: calling thread, each op using torch's intra-op threads
 THREADS = True
-#: bfloat16 matrix products for bfloat16 inputs: None (default) where the CPU has native
-#: bfloat16 units (:func:`native_bf16`), True always (slow without the units; for tests),
-#: False never
-BF16_PRODUCTS: Optional[bool] = None
 
 #: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
 #: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
@@ -160,14 +156,6 @@ def native_bf16() -> bool:
         torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
 
 
-def bf16_products(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the tiles of a call with inputs of ``dtype`` on ``device`` take bfloat16 matrix
-    products (see :data:`BF16_PRODUCTS`)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or BF16_PRODUCTS is False:
-        return False
-    return True if BF16_PRODUCTS else native_bf16()
-
-
 class Tiles:
     """One attention call, laid out for tiles; shared by the forward and the backward pass.
 
@@ -181,11 +169,11 @@ class Tiles:
     broadcastable to ``mask_shape``; differentiable inputs); ``mods`` its score-mod parts.
     ``positions`` optionally maps local query rows to the absolute positions the mask sees
     (for :func:`multihead.attention_weights` on selected rows); ``mask_heads`` picks the query
-    heads of the mask's head axis (for selected heads). ``bf16``: bfloat16 forward products.
+    heads of the mask's head axis (for selected heads).
     """
 
     def __init__(self, q, k, v, rest: Optional[Mask], biases, mods=(), *, scale, block_q, block_k,
-                 mask_shape, positions=None, mask_heads=None, bf16=False):
+                 mask_shape, positions=None, mask_heads=None):
         B, H, Lq, D = q.shape
         self.B, self.H, self.Lq, self.D = B, H, Lq, D
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -211,12 +199,6 @@ class Tiles:
         self.q = self.group_rows(q.to(self.cdt) * self.score_scale)
         self.k = k.to(self.cdt).reshape(self.N, self.Lk, D)
         self.v = v.to(self.cdt).reshape(self.N, self.Lk, self.Dv)
-        # bfloat16 products: unscaled bfloat16 operands (the scale is applied in float32)
-        self.bf16 = bool(bf16)
-        if self.bf16:
-            self.q16 = self.group_rows(q.to(torch.bfloat16))
-            self.kt16 = k.to(torch.bfloat16).reshape(self.N, self.Lk, D).transpose(1, 2).contiguous()
-            self.v16 = v.to(torch.bfloat16).reshape(self.N, self.Lk, self.Dv)
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
@@ -252,8 +234,6 @@ class Tiles:
     def _products(self, r0, r1, k0, k1) -> torch.Tensor:
         """scale · q kᵀ of local queries r0..r1-1 x keys k0..k1-1: (N, (r1-r0)·G, bk), a new tensor."""
         rows = slice(r0 * self.G, r1 * self.G)
-        if self.bf16:
-            return torch.bmm(self.q16[:, rows], self.kt16[:, :, k0:k1]).to(self.cdt).mul_(self.score_scale)
         return torch.bmm(self.q[:, rows], self.k[:, k0:k1].transpose(1, 2))
 
     def _additive(self, s, r0, r1, a0, k0, k1, whole) -> Optional[torch.Tensor]:
@@ -380,8 +360,6 @@ class Tiles:
 
     def _weighted(self, p, k0, k1) -> torch.Tensor:
         """p V (N, rows, Dv) for the probabilities p (N, rows, bk) of keys k0..k1-1."""
-        if self.bf16:
-            return torch.bmm(p.to(torch.bfloat16), self.v16[:, k0:k1]).to(self.cdt)
         return torch.bmm(p, self.v[:, k0:k1])
 
     def _redo(self, run: "_Running", r0, r1, a0, k0, k1, whole) -> torch.Tensor:
@@ -579,8 +557,7 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     mod_tensors = _mod_tensors(mods)
     options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=tuple(mask_shape),
                    positions=None if positions is None else [int(p) for p in positions],
-                   mask_heads=None if mask_heads is None else list(mask_heads),
-                   bf16=bf16_products(q.dtype, q.device))
+                   mask_heads=None if mask_heads is None else list(mask_heads))
     out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)
     sink = mask.sink_logits if mask is not None else None
     if sink is not None:

@@ -11,8 +11,7 @@ entirely (causal, window, documents, chunked-local, a block plan) are never comp
 
 Under ``torch.autocast`` the inputs are cast as autocast casts them for SDPA (float64 stays);
 the tiles themselves are always computed in the compute dtype. float16/bfloat16 inputs are
-computed in float32 and cast back (bfloat16 matrix products where the CPU has the units, see
-:data:`multihead.backends._tiles.BF16_PRODUCTS`). Dropout is not supported (see :func:`_refuses`).
+computed in float32 and cast back once (never bfloat16 products: see the tiles' docstring). Dropout is not supported (see :func:`_refuses`).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key lengths,
 D head dim, Dv value head dim.
@@ -205,10 +204,7 @@ def _describe(call: Call) -> str:
     """explain_dispatch's ``how``: the tiles, the products' dtype and the CPU features they follow."""
     groups = call.q.shape[1] // call.k.shape[1]
     cdt = compute_dtype(call.q.dtype)
-    if _tiles.bf16_products(call.q.dtype, call.q.device):
-        products = "bfloat16 matrix products, softmax and sums in float32"
-    else:
-        products = f"matrix products, softmax and sums in {str(cdt).replace('torch.', '')}"
+    products = f"matrix products, softmax and sums in {str(cdt).replace('torch.', '')}"
     where = f"; CPU {_tiles.cpu_features()}" if call.q.device.type == "cpu" else ""
     return (f"online softmax over tiles of {default_block_q(groups)} queries x {BLOCK_K} keys, "
             f"{products}; tiles the mask hides are skipped{where}")
