@@ -479,7 +479,7 @@ def test_explicit_chunked_runs_even_where_auto_would_decline_it():
     assert (mh.attention(q, k, v, backend="chunked") - expect).abs().max() <= 1e-12
 
 
-def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
+def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch, tile_kernel):
     monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
     monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
     q, k, v = qkv(B=1, H=2, Lq=300, Lk=2100, D=4, dtype=torch.float32)
@@ -489,9 +489,15 @@ def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
     assert t.config["dispatch"]["backend"] == "chunked"
     assert "DENSE_MASK_BUDGET_BYTES" in t.config["dispatch"]["refused"]["sdpa"]
     assert len(t.steps) == 1 and t.steps[0].shape == (1, 2, 300, 4)
-    # bottom-right causal with Lk - Lq = 1800: every query block needs every key block
-    n = math.ceil(300 / chunked.BLOCK_ROWS) * math.ceil(2100 / chunked.BLOCK_K)
-    assert f"{n} computed of about {n}" in t.steps[0].note
+    # bottom-right causal with Lk - Lq = 1800: a query block ending at row q1 needs the key blocks
+    # up to key q1 - 1 + 1800 (the native kernel's tiles are one head's NATIVE_BLOCK_Q queries x
+    # NATIVE_BLOCK_K keys; with the tiles' 256 x 256 every query block needs every key block)
+    native = tile_kernel == "native"
+    bq, bk = (chunked.NATIVE_BLOCK_Q, chunked.NATIVE_BLOCK_K) if native else (chunked.BLOCK_ROWS, chunked.BLOCK_K)
+    total = math.ceil(300 / bq) * math.ceil(2100 / bk)
+    needed = sum(math.ceil(min(2100, min(300, q0 + bq) + 1800) / bk) for q0 in range(0, 300, bq))
+    assert f"{needed} computed of about {total}" in t.steps[0].note
+    assert t.steps[0].params["kernel"] == tile_kernel
 
 
 @pytest.mark.parametrize("dtype,jump", [(torch.float64, 600.0), (torch.float32, 60.0), (torch.float32, 30.0)])

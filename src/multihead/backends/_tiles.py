@@ -119,7 +119,7 @@ THREADS = True
 
 #: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
 #: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
-#: "skipped" (reset it with ``.clear()``)
+#: "skipped" (reset it with ``.clear()``); the native kernel's passes are counted in ``native.CALLS``
 BLOCKS_COMPUTED: Counter = Counter()
 
 _NEG_INF = float("-inf")
@@ -174,7 +174,7 @@ class Tiles:
     """
 
     def __init__(self, q, k, v, rest: Optional[Mask], biases, mods=(), *, scale, block_q, block_k,
-                 mask_shape, positions=None, mask_heads=None):
+                 mask_shape, positions=None, mask_heads=None, native_blocks=None):
         B, H, Lq, D = q.shape
         self.B, self.H, self.Lq, self.D = B, H, Lq, D
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -205,6 +205,9 @@ class Tiles:
         #: tiles' grouped, compute-dtype copies (:attr:`q`, :attr:`k`, :attr:`v`) are made on first use
         self.inputs = (q, k, v)
         self.positions = positions
+        #: (queries, keys) per tile of the native kernel (one head's queries): the caller's, or the
+        #: tiles' block_q and block_k
+        self.native_blocks = native_blocks or (block_q, block_k)
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
@@ -279,8 +282,9 @@ class Tiles:
         q, k, v = self.inputs
         out, lse, tiles = _native.module().forward(
             q.detach(), k.detach(), v.detach(), float(self.scale), args["intervals"], args["keep"], args["biases"],
-            args["slopes"], args["diag"], args["softcap"], self.block_q, self.block_k, args["half"])
+            args["slopes"], args["diag"], args["softcap"], *self.native_blocks, args["half"])
         BLOCKS_COMPUTED["forward"] += int(tiles)
+        _native.CALLS["forward"] += 1
         return out, lse
 
     # -- layout: (B, H, Lq, X) <-> (N, Lq·G, X)
@@ -623,7 +627,8 @@ class _TiledAttention(torch.autograd.Function):
 
 
 def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k: int, mask_shape,
-           positions: Optional[Sequence[int]] = None, mask_heads: Optional[Sequence[int]] = None):
+           positions: Optional[Sequence[int]] = None, mask_heads: Optional[Sequence[int]] = None,
+           native_blocks: Optional[tuple[int, int]] = None):
     """``(out, lse)`` of one attention call by tiles, differentiable in q, k, v, the mask's bias
     tensors, its score mods' ``tensors`` and its sink logits.
 
@@ -639,6 +644,7 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     mods = mask.score_mods if mask is not None else ()
     mod_tensors = _mod_tensors(mods)
     options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=tuple(mask_shape),
+                   native_blocks=native_blocks,
                    positions=None if positions is None else [int(p) for p in positions],
                    mask_heads=None if mask_heads is None else list(mask_heads))
     out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)

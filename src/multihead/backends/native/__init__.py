@@ -43,12 +43,16 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["ENABLED", "module", "status", "why_not", "cpu_flags", "half_products"]
+__all__ = ["ENABLED", "CALLS", "module", "status", "why_not", "cpu_flags", "half_products"]
+
+#: forward passes the native kernel ran (under "forward"); chunked's trace reads which kernel ran
+CALLS: Counter = Counter()
 
 #: use the native kernel where it can run: None (default) reads ``MULTIHEAD_NATIVE`` (unset: yes),
 #: True or False override it (the tests flip it to run both implementations)

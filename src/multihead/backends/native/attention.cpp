@@ -94,13 +94,19 @@ struct MaskView {
       }
   }
 
-  // scores of row (b, h, i) x keys k0..k0+n-1 from q·k: scale, biases, ALiBi, softcap, hidden -inf
+  // nothing is added to or changes the scaled products: the scale can wait for the exponential
+  bool plain() const { return bias.empty() && slopes == nullptr && softcap == 0.f && scale > 0.f; }
+
+  // scores of row (b, h, i) x keys k0..k0+n-1 from q·k: scale, biases, ALiBi, softcap, hidden
+  // -inf; for a plain() mask the scores stay unscaled (the caller scales them in the exponential)
   void finish_row(float* s, int64_t b, int64_t h, int64_t i, int64_t k0, int64_t n, int state,
                   uint8_t* vis) const {
     int64_t j = 0;
-    const fVec vscale(scale);
-    for (; j + fVec::size() <= n; j += fVec::size()) (fVec::loadu(s + j) * vscale).store(s + j);
-    for (; j < n; ++j) s[j] *= scale;
+    if (!plain()) {
+      const fVec vscale(scale);
+      for (; j + fVec::size() <= n; j += fVec::size()) (fVec::loadu(s + j) * vscale).store(s + j);
+      for (; j < n; ++j) s[j] *= scale;
+    }
     for (size_t t = 0; t < bias.size(); ++t) {
       const Strides4& st = bias_st[t];
       const float* row = bias[t] + b * st.s0 + h * st.s1 + i * st.s2 + k0 * st.s3;
@@ -224,8 +230,7 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // which (query block, key block) tiles some (batch, head) computed: the torch tiles' count
   std::unique_ptr<std::atomic<uint8_t>[]> computed(new std::atomic<uint8_t>[nqb * nkb]);
   for (int64_t t = 0; t < nqb * nkb; ++t) computed[t].store(0, std::memory_order_relaxed);
-  const bool fast_exp = is_half<T>() || std::is_same<scalar_t, at::Half>::value ||
-                        std::is_same<scalar_t, at::BFloat16>::value;
+  const float factor = m.plain() ? m.scale : 1.f;  // the scale, where the scores wait for it
 
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> qbuf(bq * Dp), pbuf(bq * bke);
@@ -264,35 +269,38 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           }
           m.finish_row(s, b, h, i0 + r, k0, n, state[r], vis.data());
           const float top = at::vec::reduce_all<float>(
-              [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
+                                [](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n) * factor;
           const float mnew = std::isnan(top) ? top : std::max(mx[r], top);
           if (mnew == kNegInf) {  // nothing seen yet in this row
             for (int64_t j = 0; j < ne; ++j) p[j] = T(0);
             continue;
           }
           const float alpha = mx[r] == kNegInf ? 0.f : std::exp(mx[r] - mnew);
-          const fVec vm(mnew);
+          // p = exp(s · factor - mnew), summed, in float32 (then rounded to the operand type)
+          const fVec vm(mnew), vf(factor);
           fVec vsum(0.f);
           int64_t j = 0;
           for (; j + fVec::size() <= n; j += fVec::size()) {
-            fVec x = fVec::loadu(s + j) - vm;
-            x = fast_exp ? x.exp_u20() : x.exp();
+            fVec x = at::vec::fmsub(fVec::loadu(s + j), vf, vm).exp_u20();
             vsum = vsum + x;
             x.store(s + j);
           }
           float tail = 0.f;
           for (; j < n; ++j) {
-            s[j] = std::exp(s[j] - mnew);
+            s[j] = std::exp(s[j] * factor - mnew);
             tail += s[j];
           }
           sum[r] = sum[r] * alpha + at::vec::vec_reduce_all<float>(
                                         [](fVec& x, fVec& y) { return x + y; }, vsum) + tail;
           mx[r] = mnew;
-          for (j = 0; j < n; ++j) p[j] = static_cast<T>(s[j]);
-          for (; j < ne; ++j) p[j] = T(0);
+          at::vec::convert(s, p, n);
+          for (j = n; j < ne; ++j) p[j] = T(0);
           if (alpha != 1.f) {
             float* a = acc.data() + r * Dv;
-            for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+            const fVec va(alpha);
+            int64_t d = 0;
+            for (; d + fVec::size() <= Dv; d += fVec::size()) (fVec::loadu(a + d) * va).store(a + d);
+            for (; d < Dv; ++d) a[d] *= alpha;
           }
         }
         gemm_packed<T>(nq, Dv, n, pbuf.data(), bke, vp.data() + blk * vsize, acc.data(), Dv, true);
