@@ -247,3 +247,17 @@ def test_explain_dispatch_names_the_kernel_and_the_cpu_features(monkeypatch):
         assert "torch tiles (a score_mod part" in how
     with tile_kernel_as("torch tiles"):
         assert "switched off" in multihead.explain_dispatch(q, k, v, masks.causal() & masks.softcap(5.0)).how
+
+
+def test_auto_runs_masks_sdpa_would_densify_on_the_native_kernel(monkeypatch):
+    """Issue 22 item 6, the measured rule (sdpa.NATIVE_FIRST; figures in docs/benchmarks.md): a
+    window at L=4096 goes to chunked where its native kernel runs (SDPA would need a dense mask),
+    to sdpa with the native kernel off; plain causal stays on SDPA's is_causal kernel."""
+    q = torch.randn(1, 2, 4096, 8)
+    d = multihead.explain_dispatch(q, q, q, masks.window(512))
+    assert d.backend == "chunked" and "native kernel" in d.refused["sdpa"]
+    assert multihead.explain_dispatch(q, q, q, masks.causal()).backend == "sdpa"
+    with tile_kernel_as("torch tiles"):
+        assert multihead.explain_dispatch(q, q, q, masks.window(512)).backend == "sdpa"
+    monkeypatch.setattr(multihead.backends.sdpa, "NATIVE_FIRST", False)
+    assert multihead.explain_dispatch(q, q, q, masks.window(512)).backend == "sdpa"

@@ -103,7 +103,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
-from ..masks import AllOf, Mask, split_additive
+from ..masks import ALiBi, AllOf, KeyPadding, Mask, Softcap, split_additive
 from . import native as _native
 
 __all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "Tiles", "attend", "merge",
@@ -244,15 +244,17 @@ class Tiles:
         tensors = (q, k, v, *self.biases)
         if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
             return None, "a tensor subclass or a Python dispatch mode is in play"
-        keep, alibi, cap = None, None, 0.0
+        keep: Optional[torch.Tensor] = None
+        alibi: Optional[ALiBi] = None
+        cap = 0.0
         for part in self.rest.parts if self.rest is not None else ():
             if part.is_structural or part.kind == "sink":
                 continue
-            if part.kind == "padding":
+            if isinstance(part, KeyPadding):
                 keep = part.tensor if keep is None else keep & part.tensor
-            elif part.kind == "alibi" and alibi is None:
+            elif isinstance(part, ALiBi) and alibi is None:
                 alibi = part
-            elif part.kind == "softcap" and cap == 0.0:
+            elif isinstance(part, Softcap) and cap == 0.0:
                 cap = float(part.cap)
             else:
                 return None, f"a {part.kind} part runs the torch tiles (the native kernel reads structural kinds, " \
@@ -269,7 +271,7 @@ class Tiles:
                 intervals = torch.stack([torch.stack([lo.expand(rows, self.Lq), hi.expand(rows, self.Lq)], -1)
                                          for lo, hi in zip(ends[::2], ends[1::2])]).contiguous()
         slopes = diag = None
-        if alibi is not None:
+        if alibi is not None and self.rest is not None:
             slopes = alibi.slopes.detach().to(torch.float32).contiguous()
             diag = self.rest.row_diagonals(shape, alibi.align).to(torch.int64)
             diag = diag.reshape(-1, self.Lq).contiguous()

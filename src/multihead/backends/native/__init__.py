@@ -10,7 +10,7 @@ float32 scores through ATen's ``at::native::cpublas::brgemm`` (AMX or AVX512-BF1
 has them), the exponentials and row sums with ATen's ``Vectorized<float>``, the work shared by
 ``at::parallel_for`` over (batch, query head, query block), every output row computed by one
 thread in a fixed order (the same bits at every thread count). It reads the mask as
-:meth:`Tiles.native_arguments <multihead.backends._tiles.Tiles.native_arguments>` gives it: the
+:attr:`Tiles.native_plan <multihead.backends._tiles.Tiles.native_plan>` gives it: the
 structural parts' per-row key intervals, key padding, bias tensors, ALiBi and softcap; anything
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 
@@ -52,7 +52,7 @@ import torch
 __all__ = ["ENABLED", "CALLS", "module", "status", "why_not", "cpu_flags", "half_products"]
 
 #: forward passes the native kernel ran (under "forward"); chunked's trace reads which kernel ran
-CALLS: Counter = Counter()
+CALLS: Counter[str] = Counter()
 
 #: use the native kernel where it can run: None (default) reads ``MULTIHEAD_NATIVE`` (unset: yes),
 #: True or False override it (the tests flip it to run both implementations)
@@ -65,7 +65,7 @@ _VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx5
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -131,7 +131,7 @@ def _ninja_on_path() -> Optional[str]:
     if shutil.which("ninja"):
         return None
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         return str(ninja.BIN_DIR)
     except ImportError:
@@ -247,7 +247,7 @@ def half_products(dtype: torch.dtype) -> bool:
 
 def why_not(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """Why the native kernel cannot run a call on ``device`` with inputs of ``dtype`` (None: it can);
-    what a mask or a score mod asks for is judged by the tiles (``Tiles.native_arguments``)."""
+    what a mask or a score mod asks for is judged by the tiles (``Tiles.native_plan``)."""
     if not enabled():
         return "the native kernel is switched off (multihead.backends.native.ENABLED or MULTIHEAD_NATIVE=0)"
     if device.type != "cpu":
