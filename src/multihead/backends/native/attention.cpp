@@ -232,13 +232,18 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   for (int64_t t = 0; t < nqb * nkb; ++t) computed[t].store(0, std::memory_order_relaxed);
   const float factor = m.plain() ? m.scale : 1.f;  // the scale, where the scores wait for it
 
-  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
+  // work items are taken from a shared counter (a thread slowed by the machine takes fewer), the
+  // last query blocks first (under a causal mask they have the most tiles); which thread computes
+  // an item never changes its result
+  const int64_t items = B * H * nqb;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<T> qbuf(bq * Dp), pbuf(bq * bke);
     std::vector<float> sbuf(bq * bk), acc(bq * Dv), mx(bq), sum(bq);
     std::vector<uint8_t> vis(bk);
     std::vector<int> state(bq);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t qb = w % nqb, h = (w / nqb) % H, b = w / nqb / H, hk = h / G;
+    for (int64_t w = next.fetch_add(1); w < items; w = next.fetch_add(1)) {
+      const int64_t qb = nqb - 1 - w / (B * H), h = w % H, b = (w / H) % B, hk = h / G;
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       const scalar_t* qbase = qd + b * qs.s0 + h * qs.s1 + i0 * qs.s2;
       for (int64_t r = 0; r < nq; ++r)
