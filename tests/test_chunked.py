@@ -439,7 +439,9 @@ def test_auto_keeps_sdpa_for_short_sequences_and_says_why_not_chunked():
     assert d.refused["reference"] == "'sdpa' comes first in the auto order"
 
 
-def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget():
+def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget(monkeypatch):
+    # the budget rule alone (sdpa.NATIVE_FIRST, tested in test_native.py, would decline first)
+    monkeypatch.setattr(sdpa, "NATIVE_FIRST", False)
     L = 8192  # window mask (L, L): 64 Mi bools and SDPA's float copy: 320 MiB > 256 MiB
     q, k, v = qkv(B=1, H=1, Lq=L, D=1, dtype=torch.float32)
     d = mh.explain_dispatch(q, k, v, masks.window(512))
@@ -453,6 +455,7 @@ def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget():
 
 
 def test_budget_is_a_module_setting(monkeypatch):
+    monkeypatch.setattr(sdpa, "NATIVE_FIRST", False)  # the budget rule alone
     q, k, v = qkv(B=1, H=2, Lq=2048, D=2, dtype=torch.float32)
     assert mh.explain_dispatch(q, k, v, masks.causal("bottom_right") & masks.window(64)).backend == "sdpa"
     monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 2**20)
@@ -480,6 +483,7 @@ def test_explicit_chunked_runs_even_where_auto_would_decline_it():
 
 
 def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch, tile_kernel):
+    monkeypatch.setattr(sdpa, "NATIVE_FIRST", False)  # sdpa declines by its budget
     monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
     monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
     q, k, v = qkv(B=1, H=2, Lq=300, Lk=2100, D=4, dtype=torch.float32)
