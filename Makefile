@@ -30,7 +30,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --maxprocess
 REPORTS := build/test-reports
 SLOW := compile or multiprocess or real_model or browser or notebook
 
-.PHONY: demo install test test-fast test-suite test-isa test-isa-default test-isa-avx2 weights browser typecheck docs bench gpu-check clean
+.PHONY: demo install test test-fast test-suite test-isa test-isa-default test-isa-avx2 weights browser typecheck docs bench gpu-check clean kernels sanitize test-tiles
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -107,6 +107,27 @@ test-isa-avx2: $(VENV)/.test $(VENV)/.weights
 	else echo "not an AVX-512 CPU: no AVX2 emulation to run"; fi
 
 test-isa: test-isa-default test-isa-avx2
+
+# The native tile kernel (src/multihead/backends/native, issue 22), built for this CPU into its cache
+# (~/.cache/multihead/kernels, or MULTIHEAD_KERNEL_CACHE); without a compiler it says why and
+# chunked runs the torch tiles. sanitize: the kernel built with AddressSanitizer and UBSan (a
+# cache entry of its own), over its tests.
+kernels: $(VENV)/.test
+	-$(PY) -m multihead.backends.native
+
+# The files that run chunked through the functional API (native kernel by default) again on the
+# torch tiles, the native kernel's oracle (tests of tiles/chunked/native run both in one pass).
+TILES_TESTS := tests/test_properties.py tests/test_contexts.py tests/test_numerics.py tests/test_lse.py \
+	tests/test_functional.py tests/test_ring_agreement.py tests/test_distributed.py
+test-tiles: $(VENV)/.test
+	MULTIHEAD_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider $(TILES_TESTS)
+
+SANITIZER_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)
+sanitize: $(VENV)/.test
+	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m multihead.backends.native
+	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m pytest -q -p no:cacheprovider tests/test_native.py
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)

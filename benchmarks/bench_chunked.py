@@ -5,8 +5,7 @@
 * forward, ``window(512)``: chunked (computes O(L·w)) vs SDPA given the same mask as a dense
   (L, L) bool tensor (target: chunked >= 5x faster);
 * issue 13's rows (``--issue13``): causal at L=4096 in float32 (target: chunked <= 1.5x SDPA)
-  and in bfloat16 (chunked takes bfloat16 matrix products where the CPU has bf16 units, see
-  the CPU line), and 8 packed documents x 1024 tokens at L=8192, causal, forward+backward:
+  and in bfloat16, and 8 packed documents x 1024 tokens at L=8192, causal, forward+backward:
   chunked with ``from_seqlens`` vs SDPA given the equivalent dense (L, L) bool mask (target:
   chunked >= 4x faster), with both calls' peak extra memory in fresh processes; beside the
   float32 row, :func:`bare_tile_loop`, the torch calls of the tiles alone (no masking, no
@@ -21,7 +20,13 @@ process; each candidate's figure is its fastest round (other processes on a shar
 add time) and the ratio is formed from those. GFLOP/s count the useful work only: 4·D FLOPs per
 visible (query, key) pair. The matmul rate of the same run is printed for scale.
 
-``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13]``;
+* issue 22's rows (``--issue22``): the native kernel vs SDPA and the torch tiles, side by side in
+  rounds whose ratios are reported as median (range): causal forward at L=4096 with D=64 and
+  128 in float32 and bfloat16, causal forward+backward, 8 packed documents x 1024 fwd+bwd vs SDPA
+  called once per document, window(512) vs SDPA's dense mask, and the bfloat16 causal forward's
+  share of the bf16 matmul rate measured in the same run; the CPU model and features are printed.
+
+``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13] [--issue22]``;
 ``main(quick=...)`` returns the markdown report (for ``python -m benchmarks``).
 """
 
@@ -45,7 +50,7 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:  # this checkout's multihead, in
     sys.path.insert(0, str(_SRC))
 
 from multihead import masks
-from multihead.backends import _tiles, chunked
+from multihead.backends import _tiles, chunked, native
 
 try:
     from . import harness as _h  # as part of the benchmarks package (python -m benchmarks)
@@ -198,12 +203,11 @@ def causal_dtype_rows(L: int, rounds: int) -> list[dict]:
             t, ratio = _h.paired_ratios(cands, "sdpa", 2 * rounds, timer=_time_once)
         rows.append({"case": f"causal {str(dtype).replace('torch.', '')}", "L": L, "chunked_s": t["chunked"],
                      "sdpa_s": t["sdpa"], "chunked/sdpa": t["chunked"] / t["sdpa"],
-                     "paired": ratio["chunked"], "bare": ratio.get("bare"),
-                     "bf16_products": _tiles.bf16_products(dtype, q.device)})
+                     "paired": ratio["chunked"], "bare": ratio.get("bare")})
         bare = "" if "bare" not in ratio else f"; bare torch loop / sdpa {ratio['bare']:.2f}"
         print(f"{rows[-1]['case']:>16} L={L}: chunked {t['chunked']:.3f} s, sdpa {t['sdpa']:.3f} s, "
-              f"chunked/sdpa = {rows[-1]['chunked/sdpa']:.2f} (median of rounds' ratios {ratio['chunked']:.2f}{bare}; "
-              f"bf16 products: {rows[-1]['bf16_products']})", flush=True)
+              f"chunked/sdpa = {rows[-1]['chunked/sdpa']:.2f} (median of rounds' ratios {ratio['chunked']:.2f}{bare})",
+              flush=True)
     return rows
 
 
@@ -238,20 +242,133 @@ def packed_row(rounds: int) -> dict:
 
 def issue13_report(rounds: int) -> list[str]:
     lines = [f"## issue 13: chunked vs SDPA (B=1, H=8, D=64; CPU {_tiles.cpu_features()})", "",
-             "| case | L | chunked s | SDPA s | chunked / SDPA | median of rounds' ratios | bare torch loop / SDPA | bf16 products |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| case | L | chunked s | SDPA s | chunked / SDPA | median of rounds' ratios | bare torch loop / SDPA |",
+             "|---|---|---|---|---|---|---|"]
     for r in causal_dtype_rows(4096, rounds):
         bare = "" if r["bare"] is None else f"{r['bare']:.2f}"
         lines.append(f"| {r['case']} (forward) | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} | "
-                     f"{r['chunked/sdpa']:.2f} | {r['paired']:.2f} | {bare} | {'yes' if r['bf16_products'] else 'no'} |")
+                     f"{r['chunked/sdpa']:.2f} | {r['paired']:.2f} | {bare} |")
     r = packed_row(rounds)
     lines.append(f"| {r['case']} | {r['L']} | {r['chunked_s']:.3f} | {r['sdpa_s']:.3f} (dense mask) | "
-                 f"{1 / r['sdpa/chunked']:.2f} (SDPA / chunked = {r['sdpa/chunked']:.2f}) | | | no |")
+                 f"{1 / r['sdpa/chunked']:.2f} (SDPA / chunked = {r['sdpa/chunked']:.2f}) | | |")
     lines += ["", "| peak extra memory (fresh process), packed fwd+bwd | L | MiB |", "|---|---|---|"]
     for which in ("packed-chunked+backward", "packed-sdpa+backward"):
         extra = peak_extra_bytes(which, DOCS * DOC_LEN)
         print(f"peak extra memory {which}: {extra / 2**20:.0f} MiB", flush=True)
         lines.append(f"| {which} | {DOCS * DOC_LEN} | {extra / 2**20:.0f} |")
+    return lines
+
+
+# ---------------------------------------------------------------- issue 22: the native kernel
+def _kernel(which: str, fn):
+    """``fn`` run with the chunked backend's ``which`` tile kernel ("native" or "torch tiles")."""
+    def run():
+        before, native.ENABLED = native.ENABLED, which == "native"
+        try:
+            return fn()
+        finally:
+            native.ENABLED = before
+    return run
+
+
+def paired_rounds(cands: dict, base: str, rounds: int) -> dict:
+    """{name: (fastest seconds, [time / time of ``base``, one per round])}: the candidates timed
+    back to back in each round, in a rotated order (a slow spell of a shared machine falls on a
+    whole round and cancels out of its ratios); one warm-up call each first."""
+    for fn in cands.values():
+        fn()
+    names = list(cands)
+    seconds: dict = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            seconds[n].append(_time_once(cands[n]))
+    return {n: (min(seconds[n]), [a / b for a, b in zip(seconds[n], seconds[base])]) for n in names}
+
+
+def _span(ratios) -> str:
+    lo, hi = min(ratios), max(ratios)
+    mid = sorted(ratios)[len(ratios) // 2]
+    return f"{mid:.2f} ({lo:.2f}-{hi:.2f})"
+
+
+def bf16_matmul_gflops(n: int = 2048) -> float:
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    a @ b
+    return 2 * n ** 3 / min(_time_once(lambda: a @ b) for _ in range(5)) / 1e9
+
+
+def issue22_report(rounds: int) -> list[str]:
+    """Issue 22's targets, side by side in this process: the native kernel vs SDPA (and the
+    torch tiles), per-round ratios as median (range)."""
+    lines = [f"## issue 22: the native tile kernel vs SDPA (B=1, H=8; {_h.cpu_model()})", "",
+             f"{native.status()}", "", f"bf16 matmul (2048³, torch.mm) in this run: {bf16_matmul_gflops():.0f} GFLOP/s; "
+             f"fp32: {matmul_gflops():.0f} GFLOP/s", "",
+             "| case | L | native s | SDPA s | native / SDPA, median (range) | torch tiles / SDPA | native GFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(case, L, res, flops, tiles=True):
+        n_s, n_r = res["native"]
+        s_s, _ = res["sdpa"]
+        t = _span(res["tiles"][1]) if "tiles" in res else "—"
+        line = f"| {case} | {L} | {n_s:.3f} | {s_s:.3f} | {_span(n_r)} | {t} | {flops / n_s / 1e9:.0f} |"
+        print(line, flush=True)
+        lines.append(line)
+        return flops / n_s / 1e9
+
+    g = torch.Generator().manual_seed(0)
+    bf16_rate = None
+    for d in (64, 128):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(B, H, 4096, d, generator=g).to(dtype) for _ in range(3))
+            cands = {"native": _kernel("native", lambda: chunked_attention(q, k, v, masks.causal())),
+                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+            if d == 64:
+                cands["tiles"] = _kernel("torch tiles", lambda: chunked_attention(q, k, v, masks.causal()))
+            with torch.no_grad():
+                res = paired_rounds(cands, "sdpa", rounds)
+            rate = row(f"causal forward, D={d}, {str(dtype)[6:]}", 4096, res,
+                       _h.attention_flops(B, H, 4096, 4096, d, causal=True))
+            if dtype == torch.bfloat16 and d == 64:
+                bf16_rate = rate
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(B, H, 4096, 64, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+        grad = torch.randn(B, H, 4096, 64, generator=g).to(dtype)
+
+        def step(fn):
+            return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
+
+        res = paired_rounds({"native": _kernel("native", step(lambda: chunked_attention(q, k, v, masks.causal()))),
+                             "sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))},
+                            "sdpa", rounds)
+        row(f"causal forward+backward (native forward, torch-tiles backward), {str(dtype)[6:]}", 4096, res,
+            3 * _h.attention_flops(B, H, 4096, 4096, 64, causal=True))
+    L = DOCS * DOC_LEN
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(B, H, L, 64, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+        grad = torch.randn(B, H, L, 64, generator=g).to(dtype)
+        m = masks.from_seqlens([DOC_LEN] * DOCS) & masks.causal()
+
+        def per_document():
+            return torch.cat([F.scaled_dot_product_attention(q[:, :, a:a + DOC_LEN], k[:, :, a:a + DOC_LEN],
+                                                             v[:, :, a:a + DOC_LEN], is_causal=True)
+                              for a in range(0, L, DOC_LEN)], dim=2)
+
+        res = paired_rounds({"native": _kernel("native", lambda: torch.autograd.grad(chunked_attention(q, k, v, m),
+                                                                                      (q, k, v), grad)),
+                             "sdpa": lambda: torch.autograd.grad(per_document(), (q, k, v), grad)}, "sdpa", rounds)
+        row(f"packed {DOCS}x{DOC_LEN} causal fwd+bwd vs SDPA once per document, {str(dtype)[6:]}", L, res,
+            3 * DOCS * _h.attention_flops(B, H, DOC_LEN, DOC_LEN, 64, causal=True))
+    L = 8192
+    q, k, v = (torch.randn(B, H, L, 64, generator=g) for _ in range(3))
+    keep = masks.window(WINDOW).materialize((B, H, L, L), device=q.device, dtype=q.dtype).keep
+    with torch.no_grad():
+        res = paired_rounds({"native": _kernel("native", lambda: chunked_attention(q, k, v, masks.window(WINDOW))),
+                             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)}, "sdpa", rounds)
+    row(f"window({WINDOW}) forward vs SDPA with the dense mask, float32", L, res,
+        4.0 * B * H * visible_pairs("window", L) * 64)
+    if bf16_rate is not None:
+        share = bf16_rate / bf16_matmul_gflops()
+        lines += ["", f"bfloat16 causal forward (D=64) at {100 * share:.0f}% of this run's bf16 matmul rate."]
     return lines
 
 
@@ -307,6 +424,7 @@ def main(argv=None, *, quick: bool = False) -> str:
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--only-memory", action="store_true")
     p.add_argument("--issue13", action="store_true", help="only issue 13's rows (causal fp32/bf16 at 4096, packed)")
+    p.add_argument("--issue22", action="store_true", help="only issue 22's rows: the native kernel vs SDPA")
     args = p.parse_args([] if argv is None else argv)
     quick = quick or args.quick
     L = args.length or (8192 if quick else 32768)
@@ -315,6 +433,10 @@ def main(argv=None, *, quick: bool = False) -> str:
     head = (f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} cores, load average "
             f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; fp32 matmul {matmul_gflops():.1f} GFLOP/s")
     print(head, flush=True)
+    if args.issue22:
+        report = "\n".join([head, ""] + issue22_report(rounds))
+        print(report)
+        return report
     if args.issue13:
         report = "\n".join([head, ""] + issue13_report(rounds))
         print(report)

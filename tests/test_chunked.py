@@ -13,10 +13,18 @@ import multihead as mh
 from multihead import masks
 from multihead.backends import _tiles, chunked, sdpa
 from multihead.backends.chunked import chunked_attention
-from oracle import MaskPart, deterministic_algorithms, judge, naive_attention, score_size, torch_threads
+from oracle import dense as oracle_dense
+from oracle import (MaskPart, deterministic_algorithms, judge, naive_attention, parametrize_tile_kernels, score_size,
+                    tile_kernel, torch_threads, torch_tiles)  # noqa: F401 (fixtures)
 from ref64 import attention64, causal_keep, window_keep, random_qkv
 from test_properties import ModuleCase, Oracle, assert_agrees, forward_backward, module_oracle, oracle_run
 from test_tiles import make_case
+
+pytestmark = pytest.mark.usefixtures(tile_kernel.__name__)
+
+
+def pytest_generate_tests(metafunc):
+    parametrize_tile_kernels(metafunc)
 
 
 def qkv(Lq=13, D=6, **kw):
@@ -431,7 +439,9 @@ def test_auto_keeps_sdpa_for_short_sequences_and_says_why_not_chunked():
     assert d.refused["reference"] == "'sdpa' comes first in the auto order"
 
 
-def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget():
+def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget(monkeypatch):
+    # the budget rule alone (sdpa.NATIVE_FIRST, tested in test_native.py, would decline first)
+    monkeypatch.setattr(sdpa, "NATIVE_FIRST", False)
     L = 8192  # window mask (L, L): 64 Mi bools and SDPA's float copy: 320 MiB > 256 MiB
     q, k, v = qkv(B=1, H=1, Lq=L, D=1, dtype=torch.float32)
     d = mh.explain_dispatch(q, k, v, masks.window(512))
@@ -445,6 +455,7 @@ def test_auto_picks_chunked_when_the_dense_mask_exceeds_the_budget():
 
 
 def test_budget_is_a_module_setting(monkeypatch):
+    monkeypatch.setattr(sdpa, "NATIVE_FIRST", False)  # the budget rule alone
     q, k, v = qkv(B=1, H=2, Lq=2048, D=2, dtype=torch.float32)
     assert mh.explain_dispatch(q, k, v, masks.causal("bottom_right") & masks.window(64)).backend == "sdpa"
     monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 2**20)
@@ -471,7 +482,8 @@ def test_explicit_chunked_runs_even_where_auto_would_decline_it():
     assert (mh.attention(q, k, v, backend="chunked") - expect).abs().max() <= 1e-12
 
 
-def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
+def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch, tile_kernel):
+    monkeypatch.setattr(sdpa, "NATIVE_FIRST", False)  # sdpa declines by its budget
     monkeypatch.setattr(sdpa, "DENSE_MASK_BUDGET_BYTES", 0)
     monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
     q, k, v = qkv(B=1, H=2, Lq=300, Lk=2100, D=4, dtype=torch.float32)
@@ -481,13 +493,19 @@ def test_trace_records_the_dispatch_and_one_fused_chunked_step(monkeypatch):
     assert t.config["dispatch"]["backend"] == "chunked"
     assert "DENSE_MASK_BUDGET_BYTES" in t.config["dispatch"]["refused"]["sdpa"]
     assert len(t.steps) == 1 and t.steps[0].shape == (1, 2, 300, 4)
-    # bottom-right causal with Lk - Lq = 1800: every query block needs every key block
-    n = math.ceil(300 / chunked.BLOCK_ROWS) * math.ceil(2100 / chunked.BLOCK_K)
-    assert f"{n} computed of about {n}" in t.steps[0].note
+    # bottom-right causal with Lk - Lq = 1800: a query block ending at row q1 needs the key blocks
+    # up to key q1 - 1 + 1800 (the native kernel's tiles are one head's NATIVE_BLOCK_Q queries x
+    # NATIVE_BLOCK_K keys; with the tiles' 256 x 256 every query block needs every key block)
+    native = tile_kernel == "native"
+    bq, bk = (chunked.NATIVE_BLOCK_Q, chunked.NATIVE_BLOCK_K) if native else (chunked.BLOCK_ROWS, chunked.BLOCK_K)
+    total = math.ceil(300 / bq) * math.ceil(2100 / bk)
+    needed = sum(math.ceil(min(2100, min(300, q0 + bq) + 1800) / bk) for q0 in range(0, 300, bq))
+    assert f"{needed} computed of about {total}" in t.steps[0].note
+    assert t.steps[0].params["kernel"] == tile_kernel
 
 
 @pytest.mark.parametrize("dtype,jump", [(torch.float64, 600.0), (torch.float32, 60.0), (torch.float32, 30.0)])
-def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
+def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump, torch_tiles):
     # the first key block has scores near 0; later keys score up to `jump` higher (the tile
     # would overflow with the first tile's shift once jump > log(max float) / 2)
     q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
@@ -512,7 +530,7 @@ def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump):
 
 
 @pytest.mark.parametrize("jump,runs", [(5.0, 1), (60.0, 2)])
-def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs):
+def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs, torch_tiles):
     # the first run checks no panel; the final row sums show whether one needed the exact
     # shift, and only then does the forward run again (every tile computed twice)
     q, k, v = qkv(B=1, H=2, Lq=9, Lk=30, D=4, dtype=torch.float64, seed=11)
@@ -530,7 +548,7 @@ def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs)
 
 
 @pytest.mark.parametrize("jump", [5.0, 60.0])
-def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump):
+def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump, torch_tiles):
     # the tile count is per pass (it was the sum of both passes: "18 computed of about 9")
     q, k, v = qkv(B=1, H=2, Lq=300, Lk=300, D=4, dtype=torch.float64, seed=11)
     q = q / q.norm(dim=-1, keepdim=True)
@@ -548,7 +566,7 @@ def test_the_trace_says_when_the_forward_ran_a_second_checked_pass(jump):
 @pytest.mark.parametrize("kind,base2,plain", [("causal", True, True), ("keep", True, True), ("mask_mod", True, True),
                                                ("none", True, True), ("alibi", True, False), ("bias", True, False),
                                                ("softcap", False, True), ("score_mod", False, True)])
-def test_scores_are_kept_in_base_2_exactly_where_no_score_mod_reads_them(kind, base2, plain):
+def test_scores_are_kept_in_base_2_exactly_where_no_score_mod_reads_them(kind, base2, plain, torch_tiles):
     # base 2 is the fast exponential (exp2); score mods are defined on the natural scores and
     # keep exp; with added parts the exponential keeps its floor (all are compared with the
     # float64 oracle elsewhere)
@@ -780,15 +798,31 @@ def test_module_with_chunked_backend_trains_under_cpu_autocast(monkeypatch):
     assert_agrees("module, chunked, under autocast", out, grads, oracle, torch.bfloat16)
 
 def test_explain_dispatch_says_which_products_the_tiles_use_and_the_cpu_features(monkeypatch):
-    """Issue 13 item 6: Dispatch.how names the dtype of the matrix products (bfloat16 only for
-    bfloat16 inputs on a CPU with bf16 units, or when forced) and the CPU features it read."""
+    """Issue 13 item 6, issue 22 item 4: Dispatch.how names the dtype of the matrix products
+    (float32 for bfloat16 inputs: the torch tiles never take bfloat16 products) and the CPU
+    features it read."""
     q = torch.randn(1, 2, 8, 4).bfloat16()
     m = masks.causal() & masks.softcap(5.0)  # sdpa refuses a score mod: auto runs chunked
     monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
-    monkeypatch.setattr(_tiles, "BF16_PRODUCTS", False)
     how = mh.explain_dispatch(q, q, q, m).how
     assert "products, softmax and sums in float32" in how and _tiles.cpu_features() in how
-    monkeypatch.setattr(_tiles, "BF16_PRODUCTS", True)
-    assert "bfloat16 matrix products, softmax and sums in float32" in mh.explain_dispatch(q, q, q, m).how
-    assert "in float32" in mh.explain_dispatch(q.float(), q.float(), q.float(), m).how  # fp32 inputs: never
+    assert "bfloat16 matrix products" not in how
+    assert "in float32" in mh.explain_dispatch(q.float(), q.float(), q.float(), m).how
     assert _tiles.cpu_features().startswith(torch.backends.cpu.get_cpu_capability())
+
+
+def test_alibi_keeps_the_document_diagonal_on_tiles_the_mask_shows_whole():
+    """ALiBi with documents whose key ids differ from the query ids: on a tile the mask shows
+    whole, the ALiBi bias was built without the documents part (its diagonal taken from the whole
+    sequence), so the torch tiles were wrong by 0.37 here. Held to the float64 oracle at 1e-12."""
+    B, H, L, Dh = 2, 4, 23, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, L, Dh, generator=g, dtype=torch.float64) for n in (H, 2, 2))
+    q_ids = torch.tensor([0] * 10 + [1] * 13).expand(B, L)
+    kv_ids = torch.tensor([0] * 12 + [1] * 11).expand(B, L)
+    slopes = masks.alibi_slopes(H)
+    parts = [MaskPart("alibi", tensor=slopes), MaskPart("documents", ids=(q_ids, kv_ids))]
+    keep, bias = oracle_dense(parts, B, H, L, L)
+    want = naive_attention(q, k, v, keep, bias, Dh ** -0.5, torch.float64)
+    got = chunked_attention(q, k, v, masks.alibi(slopes) & masks.documents(q_ids, kv_ids), block_q=5, block_k=7)
+    assert (got - want).abs().max() < 1e-12

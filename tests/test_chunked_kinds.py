@@ -20,8 +20,14 @@ import multihead as mh
 from multihead import masks
 from multihead.backends import chunked
 from multihead.backends.chunked import chunked_attention
-from oracle import torch_threads
+from oracle import parametrize_tile_kernels, tile_kernel, torch_threads  # noqa: F401 (fixture)
 from ref64 import causal_keep, random_qkv
+
+pytestmark = pytest.mark.usefixtures(tile_kernel.__name__)
+
+
+def pytest_generate_tests(metafunc):
+    parametrize_tile_kernels(metafunc)
 
 NEG_INF = float("-inf")
 TOL = 1e-12

@@ -52,9 +52,8 @@ def test_logits_beyond_half_range_stay_finite_and_correct(backend, dtype):
         assert torch.isfinite(out).all()
         # the weights are exactly 1/n: only the final rounding to dtype differs
         assert (out.double() - want).abs().max() <= FLOOR_ULPS * eps(dtype) * v.abs().max().item()
-    naive = naive_attention(x, x, v, None, None, D ** -0.5, dtype)
-    if dtype == torch.float16:
-        assert not torch.isfinite(naive).all()  # what computing the scores in float16 would give
+    if dtype == torch.float16:  # what computing the scores in float16 would give
+        assert not torch.isfinite(x[0, 0] @ x[0, 0].T).all()
     w = multihead.attention_weights(x, x)
     assert torch.isfinite(w).all() and ((w.double().sum(-1) - 1).abs() <= row_sum_bound(dtype, 6)).all()
 
@@ -183,6 +182,48 @@ def test_float32_bias_is_not_rounded_to_half_inputs(backend, dtype):
     verdict = judge("output", out, want, lambda dt: naive_attention(q, k, v, keep, bias, Dh ** -0.5, dt), dtype,
                     head_dim=Dh, score_size=score_size(q, k, keep, bias, Dh ** -0.5))
     assert verdict.ok, str(verdict)
+
+
+def emulated_low_precision_attention(q, k, v, keep, scale: float, *, round_scores: bool):
+    """A fused path's numerics on any CPU (issue 22 item 5): bfloat16 operands with float32
+    accumulation, as AMX and AVX512-BF16 compute a product, each probability rounded to
+    bfloat16 for p v (as flash kernels do), the softmax in float32, the output rounded once.
+    ``round_scores``: q kᵀ also comes back rounded to bfloat16, as torch's bfloat16 ``mm`` on the
+    CPU returns it (what the torch tiles did with bfloat16 products on).
+
+    q (B, H, Lq, D), k/v (B, H, Lk, D) bfloat16, keep (B, H, Lq, Lk) -> (B, H, Lq, D) bfloat16."""
+    s = q.float() @ k.float().transpose(-1, -2)  # exact products of bfloat16 numbers, float32 sums
+    if round_scores:
+        s = s.bfloat16().float()
+    s = (s * scale).masked_fill(~keep, -math.inf)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    p = e.bfloat16().float()  # unnormalised probabilities in bfloat16 for the p v product
+    return ((p @ v.float()) / e.sum(-1, keepdim=True)).bfloat16()
+
+
+def test_bf16_rounded_products_fail_the_rule():
+    """Issue 22 item 5: the stricter low-precision rule (oracle: a float32-scores reference from the
+    same bfloat16 inputs). Inputs x4, causal, D=64: bfloat16 products rounded to bfloat16 before
+    the softmax (the torch tiles' old path) fail it; bfloat16 operands into float32 scores (AMX,
+    AVX512-BF16, SDPA's fused kernel, the native kernel) and the chunked backend pass it."""
+    g = torch.Generator().manual_seed(22)
+    B, H, L, Dh = 1, 2, 256, 64
+    q, k, v = ((4 * torch.randn(B, H, L, Dh, generator=g)).bfloat16() for _ in range(3))
+    keep = torch.ones(L, L, dtype=torch.bool).tril().expand(B, H, L, L)
+    scale = Dh ** -0.5
+    want = naive_attention(q, k, v, keep, None, scale, torch.float64)
+
+    def verdict(what, got):
+        return judge(what, got, want, lambda dt: naive_attention(q, k, v, keep, None, scale, dt), torch.bfloat16,
+                     head_dim=Dh, score_size=score_size(q, k, keep, None, scale))
+
+    rounded = verdict("bf16 products rounded", emulated_low_precision_attention(q, k, v, keep, scale, round_scores=True))
+    assert not rounded.ok, f"the rounded scores should fail the rule: {rounded}"
+    assert rounded.error > 2 * rounded.bound
+    fused = verdict("bf16 operands, float32 scores", emulated_low_precision_attention(q, k, v, keep, scale, round_scores=False))
+    assert fused.ok, str(fused)
+    chunked = verdict("chunked", multihead.attention(q, k, v, masks.causal(), backend="chunked"))
+    assert chunked.ok, str(chunked)
 
 
 # --------------------------------------------------------------------------- the default scale

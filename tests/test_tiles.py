@@ -33,26 +33,23 @@ import multihead
 from multihead import backends
 from multihead.backends import _tiles, chunked
 from multihead.backends.chunked import chunked_attention
-from oracle import MaskPart, combine, one_thread, torch_threads
+from multihead.backends import native
+from oracle import MaskPart, combine, one_thread, tile_kernel_as, torch_threads
 from test_properties import Case, Oracle, assert_agrees, forward_backward, oracle_run
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-def chunked_bf16_products(*args, **kwargs):
-    """chunked_attention with bfloat16 matrix products forced on (:data:`_tiles.BF16_PRODUCTS`),
-    as on a CPU with AMX / AVX512-BF16 units; the flag is read at the forward and kept for the
-    backward."""
-    before, _tiles.BF16_PRODUCTS = _tiles.BF16_PRODUCTS, True
-    try:
-        return chunked_attention(*args, **kwargs)
-    finally:
-        _tiles.BF16_PRODUCTS = before
+def _with_kernel(which: str):
+    def attend(*args, **kwargs):
+        with tile_kernel_as(which):
+            return chunked_attention(*args, **kwargs)
+    return attend
 
 
-#: the tiled backends: name -> attention(q, k, v, mask, block_q=, block_k=); the bf16-products
-#: path differs from the plain one for bfloat16 inputs only, so it runs for those
-TILED = {"chunked": chunked_attention, "chunked, bf16 products": chunked_bf16_products}
-BF16_ONLY = {"chunked, bf16 products"}
+#: the tiled backends: name -> attention(q, k, v, mask, block_q=, block_k=); the chunked backend's
+#: two tile kernels (the native one takes float32/bfloat16/float16 and no Python score_mod: the
+#: cases it would hand to the torch tiles are run once)
+TILED = {"chunked, native": _with_kernel("native"), "chunked, torch tiles": _with_kernel("torch tiles")}
 
 #: bias offsets of a tile: 0, near and far past float32's exp range (~±87), past float64's (~±709)
 OFFSETS = [0.0, 0.0, -50.0, -90.0, -200.0, -800.0, 50.0, 90.0, 200.0, 800.0]
@@ -70,7 +67,7 @@ def run_case(case: Case, block_q: int, block_k: int, path: str = "panels", natur
     panel_scores, threads, base_e = PATHS[path]
     natural = natural or base_e
     for name, fn in TILED.items():
-        if name in BF16_ONLY and case.dtype != torch.bfloat16:
+        if name == "chunked, native" and (natural or case.dtype == torch.float64 or native.module() is None):
             continue
 
         def call(leaves, fn=fn):

@@ -608,8 +608,7 @@ def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None, kinds=()
             mask = placed if mask is None else mask & placed
     groups = q.shape[1] // k.shape[1]
     return _tiles.Tiles(q, k, v, mask, (), mods, scale=scale, block_q=_chunked.default_block_q(groups),
-                        block_k=_chunked.BLOCK_K, mask_shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
-                        bf16=_tiles.bf16_products(q.dtype, q.device))
+                        block_k=_chunked.BLOCK_K, mask_shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
 
 
 def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None, kinds=(), at=(0, 0)):

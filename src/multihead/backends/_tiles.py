@@ -62,12 +62,12 @@ the mods read (``part.tensors``, inputs of the autograd function, e.g. a learned
 score_mod indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
 itself: a double backward raises a clear error (use ``backend="reference"``).
 
-Matrix products in bfloat16 (:data:`BF16_PRODUCTS`): for bfloat16 inputs on a CPU with native
-bfloat16 matrix units (AMX or AVX512-BF16, :func:`native_bf16`), the two forward products take
-bfloat16 operands (q kᵀ unscaled, p rounded to bfloat16 for p V), as the naive bfloat16
-reference rounds them; the scale, the shift, the exponentials, the row sums and the
-accumulation stay in float32. Elsewhere the tiles compute in float32 (bfloat16 products without
-the units are slower, not faster).
+Precision: the tiles compute in the compute dtype (float32 for float16/bfloat16 inputs, which
+are cast once; the output is cast back once). The products are never taken in bfloat16: torch's
+bfloat16 ``bmm`` on the CPU returns bfloat16, so q kᵀ would be rounded to 8 bits of mantissa
+before the softmax (an error of about 1 at scores of a few units, where float32 scores give a few
+thousandths), and CPU ``mm`` has no float32 output for bfloat16 operands. The native kernel
+(:mod:`multihead.backends.native`) takes bfloat16 operands into float32 products instead.
 
 Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, dealt
 out back and forth (0, 1, .., n-1, n-1, .., 0, ..: equal work under a causal mask), each running
@@ -104,10 +104,11 @@ from typing import Optional, Sequence
 import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
-from ..masks import Mask, split_additive
+from ..masks import ALiBi, KeyPadding, Mask, Softcap, split_additive
+from . import native as _native
 
-__all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "BF16_PRODUCTS", "Tiles", "attend", "merge",
-           "with_sink", "native_bf16", "cpu_features", "bf16_products"]
+__all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "Tiles", "attend", "merge",
+           "with_sink", "native_bf16", "cpu_features"]
 
 #: most scores (B·Hkv x rows x keys) one panel of tiles computes at once (8 MiB in float32):
 #: each op is big enough for torch's intra-op threads, its scores still fit in a CPU cache,
@@ -116,14 +117,10 @@ PANEL_SCORES = 2 ** 21
 #: share the query blocks among torch.get_num_threads() threads (CPU); False: all in the
 #: calling thread, each op using torch's intra-op threads
 THREADS = True
-#: bfloat16 matrix products for bfloat16 inputs: None (default) where the CPU has native
-#: bfloat16 units (:func:`native_bf16`), True always (slow without the units; for tests),
-#: False never
-BF16_PRODUCTS: Optional[bool] = None
 
 #: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
 #: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
-#: "skipped" (reset it with ``.clear()``)
+#: "skipped" (reset it with ``.clear()``); the native kernel's passes are counted in ``native.CALLS``
 BLOCKS_COMPUTED: Counter = Counter()
 
 _NEG_INF = float("-inf")
@@ -159,14 +156,6 @@ def native_bf16() -> bool:
         torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
 
 
-def bf16_products(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the tiles of a call with inputs of ``dtype`` on ``device`` take bfloat16 matrix
-    products (see :data:`BF16_PRODUCTS`)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or BF16_PRODUCTS is False:
-        return False
-    return True if BF16_PRODUCTS else native_bf16()
-
-
 class Tiles:
     """One attention call, laid out for tiles; shared by the forward and the backward pass.
 
@@ -180,11 +169,11 @@ class Tiles:
     broadcastable to ``mask_shape``; differentiable inputs); ``mods`` its score-mod parts.
     ``positions`` optionally maps local query rows to the absolute positions the mask sees
     (for :func:`multihead.attention_weights` on selected rows); ``mask_heads`` picks the query
-    heads of the mask's head axis (for selected heads). ``bf16``: bfloat16 forward products.
+    heads of the mask's head axis (for selected heads).
     """
 
     def __init__(self, q, k, v, rest: Optional[Mask], biases, mods=(), *, scale, block_q, block_k,
-                 mask_shape, positions=None, mask_heads=None, bf16=False):
+                 mask_shape, positions=None, mask_heads=None, native_blocks=None):
         B, H, Lq, D = q.shape
         self.B, self.H, self.Lq, self.D = B, H, Lq, D
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -207,19 +196,93 @@ class Tiles:
         self.score_scale = scale * LOG2E if self.base2 else scale
         self.mask_shape = tuple(mask_shape)
         self.mask_heads = mask_heads
-        self.q = self.group_rows(q.to(self.cdt) * self.score_scale)
-        self.k = k.to(self.cdt).reshape(self.N, self.Lk, D)
-        self.v = v.to(self.cdt).reshape(self.N, self.Lk, self.Dv)
-        # bfloat16 products: unscaled bfloat16 operands (the scale is applied in float32)
-        self.bf16 = bool(bf16)
-        if self.bf16:
-            self.q16 = self.group_rows(q.to(torch.bfloat16))
-            self.kt16 = k.to(torch.bfloat16).reshape(self.N, self.Lk, D).transpose(1, 2).contiguous()
-            self.v16 = v.to(torch.bfloat16).reshape(self.N, self.Lk, self.Dv)
+        #: the inputs as given (the native kernel reads them through their strides); the torch
+        #: tiles' grouped, compute-dtype copies (:attr:`q`, :attr:`k`, :attr:`v`) are made on first use
+        self.inputs = (q, k, v)
+        self.positions = positions
+        #: (queries, keys) per tile of the native kernel (one head's queries): the caller's, or the
+        #: tiles' block_q and block_k
+        self.native_blocks = native_blocks or (block_q, block_k)
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
         self.limit = math.exp(math.log(torch.finfo(self.cdt).max) / 2)
+
+    @functools.cached_property
+    def q(self) -> torch.Tensor:
+        """(N, Lq·G, D): q grouped, in the compute dtype, times :attr:`score_scale`."""
+        return self.group_rows(self.inputs[0].to(self.cdt) * self.score_scale)
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        """(N, Lk, D) in the compute dtype."""
+        return self.inputs[1].to(self.cdt).reshape(self.N, self.Lk, self.D)
+
+    @functools.cached_property
+    def v(self) -> torch.Tensor:
+        """(N, Lk, Dv) in the compute dtype."""
+        return self.inputs[2].to(self.cdt).reshape(self.N, self.Lk, self.Dv)
+
+    # -- the native kernel
+    @functools.cached_property
+    def native_plan(self) -> tuple[Optional[dict], str]:
+        """``(arguments, why)``: the native kernel's arguments for this call (the mask as key
+        intervals per row, key padding, float32 bias views, ALiBi slopes and diagonals, a softcap),
+        or None and why the torch tiles run it (a Python mask_mod or score_mod, a dense keep
+        tensor, selected rows or heads, float64, a tensor subclass or dispatch mode, ...)."""
+        q, k, v = self.inputs
+        why = _native.why_not(q.device, q.dtype)
+        if why is not None:
+            return None, why
+        if self.positions is not None or self.mask_heads is not None:
+            return None, "selected query rows or heads (attention_weights) run the torch tiles"
+        tensors = (q, k, v, *self.biases)
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
+            return None, "a tensor subclass or a Python dispatch mode is in play"
+        keep: Optional[torch.Tensor] = None
+        alibi: Optional[ALiBi] = None
+        cap = 0.0
+        for part in self.rest.parts if self.rest is not None else ():
+            if part.is_structural or part.kind == "sink":
+                continue
+            if isinstance(part, KeyPadding):
+                keep = part.tensor if keep is None else keep & part.tensor
+            elif isinstance(part, ALiBi) and alibi is None and part.slopes.dim() == 1:
+                alibi = part  # (B, H) slopes, one set per sequence, run the torch tiles
+            elif isinstance(part, Softcap) and cap == 0.0:
+                cap = float(part.cap)
+            else:
+                return None, f"a {part.kind} part runs the torch tiles (the native kernel reads structural kinds, " \
+                             "key padding, bias tensors, ALiBi, softcap and sinks)"
+        if cap and any(p.kind != "softcap" for p in self.mods):
+            return None, "a score_mod runs the torch tiles"
+        shape = self.mask_shape
+        intervals = None
+        if self.rest is not None:
+            ivs = self.rest.row_intervals(shape)
+            if ivs is not None:
+                ends = [torch.as_tensor(e, dtype=torch.int64) for iv in ivs for e in iv]
+                rows = max((e.shape[0] for e in ends if e.dim() == 2), default=1)
+                intervals = torch.stack([torch.stack([lo.expand(rows, self.Lq), hi.expand(rows, self.Lq)], -1)
+                                         for lo, hi in zip(ends[::2], ends[1::2])]).contiguous()
+        slopes = diag = None
+        if alibi is not None and self.rest is not None:
+            slopes = alibi.slopes.detach().to(torch.float32).contiguous()
+            diag = self.rest.row_diagonals(shape, alibi.align).to(torch.int64)
+            diag = diag.reshape(-1, self.Lq).contiguous()
+        biases = [b.detach().to(torch.float32).expand(shape) for b in self.biases]
+        return dict(intervals=intervals, keep=keep, biases=biases, slopes=slopes, diag=diag, softcap=cap,
+                    half=_native.half_products(q.dtype)), "native"
+
+    def native_forward(self, args: dict):
+        """``(out (B, H, Lq, Dv), lse (B, H, Lq))`` in float32 by the native kernel."""
+        q, k, v = self.inputs
+        out, lse, tiles = _native.module().forward(
+            q.detach(), k.detach(), v.detach(), float(self.scale), args["intervals"], args["keep"], args["biases"],
+            args["slopes"], args["diag"], args["softcap"], *self.native_blocks, args["half"])
+        BLOCKS_COMPUTED["forward"] += int(tiles)
+        _native.CALLS["forward"] += 1
+        return out, lse
 
     # -- layout: (B, H, Lq, X) <-> (N, Lq·G, X)
     def group_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -251,8 +314,6 @@ class Tiles:
     def _products(self, r0, r1, k0, k1) -> torch.Tensor:
         """scale · q kᵀ of local queries r0..r1-1 x keys k0..k1-1: (N, (r1-r0)·G, bk), a new tensor."""
         rows = slice(r0 * self.G, r1 * self.G)
-        if self.bf16:
-            return torch.bmm(self.q16[:, rows], self.kt16[:, :, k0:k1]).to(self.cdt).mul_(self.score_scale)
         return torch.bmm(self.q[:, rows], self.k[:, k0:k1].transpose(1, 2))
 
     def _additive(self, s, r0, r1, a0, k0, k1, whole) -> Optional[torch.Tensor]:
@@ -329,7 +390,11 @@ class Tiles:
         panel and redoing those that need it (:meth:`_redo`). Only such inputs (a later score
         some 44 above the row's first-tile max in float32) pay the second run.
         """
-        plans = self.plans(_workers(len(self.blocks), self.q, self.k, self.v, *self.biases))
+        args, _ = self.native_plan
+        if args is not None:
+            out, lse = self.native_forward(args)
+            return self.group_rows(out), self.group_lse(lse)
+        plans = self.plans(_workers(len(self.blocks), *self.inputs, *self.biases))
         run = self._forward_pass(plans, careful=False)
         if _any(run.total > self.limit):
             run = self._forward_pass(plans, careful=True)
@@ -378,8 +443,6 @@ class Tiles:
 
     def _weighted(self, p, k0, k1) -> torch.Tensor:
         """p V (N, rows, Dv) for the probabilities p (N, rows, bk) of keys k0..k1-1."""
-        if self.bf16:
-            return torch.bmm(p.to(torch.bfloat16), self.v16[:, k0:k1]).to(self.cdt)
         return torch.bmm(p, self.v[:, k0:k1])
 
     def _redo(self, run: "_Running", r0, r1, a0, k0, k1, whole) -> torch.Tensor:
@@ -570,7 +633,8 @@ class _TiledAttention(torch.autograd.Function):
 
 
 def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k: int, mask_shape,
-           positions: Optional[Sequence[int]] = None, mask_heads: Optional[Sequence[int]] = None):
+           positions: Optional[Sequence[int]] = None, mask_heads: Optional[Sequence[int]] = None,
+           native_blocks: Optional[tuple[int, int]] = None):
     """``(out, lse)`` of one attention call by tiles, differentiable in q, k, v, the mask's bias
     tensors, its score mods' ``tensors`` and its sink logits.
 
@@ -586,14 +650,25 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     mods = mask.score_mods if mask is not None else ()
     mod_tensors = _mod_tensors(mods)
     options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=tuple(mask_shape),
+                   native_blocks=native_blocks,
                    positions=None if positions is None else [int(p) for p in positions],
-                   mask_heads=None if mask_heads is None else list(mask_heads),
-                   bf16=bf16_products(q.dtype, q.device))
+                   mask_heads=None if mask_heads is None else list(mask_heads))
     out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)
     sink = mask.sink_logits if mask is not None else None
     if sink is not None:
         out, lse = with_sink(out, lse, sink if mask_heads is None else sink[list(mask_heads)])
     return out.to(q.dtype), lse
+
+
+def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
+    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...)" or
+    "torch tiles (why not native)"; for ``explain_dispatch``. Arguments as for :func:`attend`."""
+    rest, biases = split_additive(mask, mask_shape)
+    groups = q.shape[1] // k.shape[1]
+    tiles = Tiles(q, k, v, rest, biases, mask.score_mods if mask is not None else (), scale=scale,
+                  block_q=max(1, 256 // groups), block_k=256, mask_shape=mask_shape)
+    args, why = tiles.native_plan
+    return _native.status() if args is not None else f"torch tiles ({why})"
 
 
 def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:

@@ -11,8 +11,7 @@ entirely (causal, window, documents, chunked-local, a block plan) are never comp
 
 Under ``torch.autocast`` the inputs are cast as autocast casts them for SDPA (float64 stays);
 the tiles themselves are always computed in the compute dtype. float16/bfloat16 inputs are
-computed in float32 and cast back (bfloat16 matrix products where the CPU has the units, see
-:data:`multihead.backends._tiles.BF16_PRODUCTS`). Dropout is not supported (see :func:`_refuses`).
+computed in float32 and cast back once (never bfloat16 products: see the tiles' docstring). Dropout is not supported (see :func:`_refuses`).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key lengths,
 D head dim, Dv value head dim.
@@ -31,6 +30,7 @@ from .._checks import check_positive_int, check_qkv, check_scale
 from .._numerics import autocast_inputs, compute_dtype, outside_autocast
 from ..masks import Mask, as_mask
 from . import Backend, Call, _tiles, register
+from . import native as _native
 from ._tiles import BLOCKS_COMPUTED, _runs
 
 __all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
@@ -44,6 +44,11 @@ __all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AU
 BLOCK_ROWS = 256
 #: default keys per key block
 BLOCK_K = 256
+#: the native kernel's default tile, one head's queries x keys (when the caller gives no block
+#: sizes; given ones are used by both kernels): each brgemm call gets more keys, and fewer
+#: query rows keep a tile's scores in a nearer cache (side by side in docs/benchmarks.md)
+NATIVE_BLOCK_Q = 128
+NATIVE_BLOCK_K = 512
 #: ``backend="auto"`` declines the chunked backend when Lq·Lk is below this: SDPA's fused
 #: kernel is faster there and the dense mask it may need is small.
 AUTO_MIN_SCORES = 2048 * 2048
@@ -96,6 +101,7 @@ def chunked_attention(
     check_qkv(q, k, v)
     scale = check_scale(scale, q.shape[-1])
     groups = q.shape[1] // k.shape[1]
+    native_blocks = (NATIVE_BLOCK_Q, NATIVE_BLOCK_K) if block_q is None and block_k is None else None
     block_q = default_block_q(groups) if block_q is None else check_positive_int(block_q, "block_q")
     block_k = BLOCK_K if block_k is None else check_positive_int(block_k, "block_k")
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if mask_shape is None else tuple(mask_shape)
@@ -103,7 +109,7 @@ def chunked_attention(
     if m is not None:
         m.check(shape, q.device, dtype=q.dtype)
     out, lse = _tiles.attend(q, k, v, m, scale=scale, block_q=block_q, block_k=block_k, mask_shape=shape,
-                             positions=positions, mask_heads=mask_heads)
+                             positions=positions, mask_heads=mask_heads, native_blocks=native_blocks)
     return (out, lse) if return_lse else out
 
 
@@ -162,16 +168,18 @@ def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
         raise ValueError(f"the chunked backend does not do dropout (got dropout_p={dropout_p}); "
                          "use backend='sdpa' or 'reference' for dropout")
     before, redone_before = BLOCKS_COMPUTED["forward"], BLOCKS_COMPUTED["redone"]
+    native_before = _native.CALLS["forward"]
     out, lse = chunked_attention(q, k, v, mask, scale=scale, return_lse=True)
     tr = _trace.current()
     if tr is not None:
         groups = q.shape[1] // k.shape[1]
-        bq, bk = default_block_q(groups), BLOCK_K
+        ran_native = _native.CALLS["forward"] > native_before
+        bq, bk = (NATIVE_BLOCK_Q, NATIVE_BLOCK_K) if ran_native else (default_block_q(groups), BLOCK_K)
         total = math.ceil(q.shape[2] / bq) * math.ceil(k.shape[2] / bk)
         # panels redone with the exact max mean the forward ran a second, checked pass
         redone = BLOCKS_COMPUTED["redone"] - redone_before
         tr.record(_steps.FUSED_ATTENTION, out, params={
-            "backend": "chunked", "block_q": bq, "block_k": bk,
+            "backend": "chunked", "block_q": bq, "block_k": bk, "kernel": "native" if ran_native else "torch tiles",
             "tiles_computed": (BLOCKS_COMPUTED["forward"] - before) // (2 if redone else 1), "tiles_total": total,
             "redone": redone,
             "lk": k.shape[2], "head_dim": q.shape[-1],
@@ -205,13 +213,12 @@ def _describe(call: Call) -> str:
     """explain_dispatch's ``how``: the tiles, the products' dtype and the CPU features they follow."""
     groups = call.q.shape[1] // call.k.shape[1]
     cdt = compute_dtype(call.q.dtype)
-    if _tiles.bf16_products(call.q.dtype, call.q.device):
-        products = "bfloat16 matrix products, softmax and sums in float32"
-    else:
-        products = f"matrix products, softmax and sums in {str(cdt).replace('torch.', '')}"
+    products = f"matrix products, softmax and sums in {str(cdt).replace('torch.', '')}"
     where = f"; CPU {_tiles.cpu_features()}" if call.q.device.type == "cpu" else ""
+    shape = (call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2])
+    kernel = _tiles.kernel_for(call.q, call.k, call.v, call.mask, scale=1.0, mask_shape=shape)
     return (f"online softmax over tiles of {default_block_q(groups)} queries x {BLOCK_K} keys, "
-            f"{products}; tiles the mask hides are skipped{where}")
+            f"{products}; tiles the mask hides are skipped{where}; kernel: {kernel}")
 
 
 BACKEND = register(

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, split_additive
-from . import Backend, Call, register
+from . import Backend, Call, _tiles, get, register
 from .._numerics import compute_dtype
 
 #: ``backend="auto"`` passes a call on to the next backend when the dense (Lq, Lk) tensors an
@@ -228,7 +228,38 @@ def _within_any_budget(call: Call) -> bool:
     return q_shape[0] * q_shape[1] * q_shape[2] * call.k.shape[2] * _MOST_BYTES_PER_SCORE <= DENSE_MASK_BUDGET_BYTES
 
 
+#: ``backend="auto"`` passes a masked call on to chunked when chunked's native kernel runs it and
+#: SDPA would need a dense mask (not is_causal): the native kernel computes only the tiles the
+#: mask leaves visible, SDPA every score (measured side by side: docs/benchmarks.md, issue 22).
+#: Packed documents keep flex's own measured rule (flex comes before chunked in the auto order).
+NATIVE_FIRST = True
+
+
+def _native_runs_it(call: Call) -> Optional[str]:
+    """Why chunked's native kernel should run ``call`` instead (see :data:`NATIVE_FIRST`), or None."""
+    mask = call.mask
+    if not NATIVE_FIRST or mask is None or call.q.device.type != "cpu" or call.under_compile:
+        return None
+    shape = (*call.q.shape[:3], call.k.shape[2])
+    if _is_kernel_causal(mask, shape) or not any(p.is_structural or p.kind == "padding" for p in mask.parts):
+        return None
+    if any(p.kind == "documents" for p in mask.parts):  # flex's measured rule comes first for those
+        return None
+    chunked = get("chunked")
+    if chunked.refuses(call) is not None or (chunked.auto_declines and chunked.auto_declines(call)):
+        return None
+    kernel = _tiles.kernel_for(call.q, call.k, call.v, mask, scale=1.0, mask_shape=shape)
+    if not kernel.startswith("native"):
+        return None
+    return ("chunked's native kernel runs this mask and computes only the tiles it leaves visible, where SDPA "
+            "would compute every score through a dense mask (measured faster: docs/benchmarks.md; "
+            "sdpa.NATIVE_FIRST = False keeps sdpa first)")
+
+
 def _auto_declines(call: Call) -> Optional[str]:
+    native = _native_runs_it(call)
+    if native is not None:
+        return native
     if _within_any_budget(call):
         return None
     q_shape = call.q.shape
