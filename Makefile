@@ -120,7 +120,7 @@ kernels: $(VENV)/.test
 TILES_TESTS := tests/test_properties.py tests/test_contexts.py tests/test_numerics.py tests/test_lse.py \
 	tests/test_functional.py tests/test_ring_agreement.py tests/test_distributed.py
 test-tiles: $(VENV)/.test
-	MULTIHEAD_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider $(TILES_TESTS)
+	MULTIHEAD_NATIVE=0 $(PYTEST) $(TILES_TESTS) --junitxml=$(REPORTS)/tiles.xml
 
 SANITIZER_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)
 sanitize: $(VENV)/.test

@@ -51,7 +51,11 @@ PHASES = [
     Phase("browser", "browser", "Debian's chromium and fonts for tests/test_browser.py (apt, only what is missing)"),
     Phase("typecheck", "typecheck", "mypy on src/ (config in pyproject.toml)"),
     Phase("docs", "docs", "mkdocs build --strict into build/site"),
+    Phase("kernels", "kernels", "the native attention kernel built for this CPU (g++ and ninja, cached; "
+          "without them chunked runs the torch tiles and says so)"),
     Phase("suite", "test-suite", "every test, in parallel (pytest-xdist)"),
+    Phase("tiles", "test-tiles", "the files that run chunked through the functional API again on the torch tiles, "
+          "the native kernel's oracle"),
     Phase("isa-default", "test-isa-default", "the numerics-marked tests on ATen's scalar kernels"),
     Phase("isa-avx2", "test-isa-avx2", "the numerics-marked tests on AVX2 kernels (oneDNN, MKL, ATen)", skip_unless=_avx512),
 ]
