@@ -63,6 +63,7 @@ __all__ = [
     "LAYOUTS",
     "DocumentLayout",
     "rank_work",
+    "ring_plan",
     "RingError",
     "mask_signature",
     "ring_attention",
@@ -263,7 +264,7 @@ def unshard_sequence(shards, layout: str = "contiguous", *, dim: int = -2) -> to
     return torch.cat(early + late, dim)
 
 
-def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "contiguous", *, device=None) -> torch.Tensor:
+def shard_positions(rank: int, world_size: int, seq_len: int, layout: "str | DocumentLayout" = "contiguous", *, device=None) -> torch.Tensor:
     """Global positions (L/P,) of the tokens in ``rank``'s shard of a length-``seq_len`` sequence.
 
     ``shard_sequence(torch.arange(L)[:, None], rank, P, layout)[:, 0]`` is the same thing.
@@ -648,9 +649,61 @@ class _Spec:
         self.kinds = kinds
 
     def segments(self, owner: int, local_len: int):
-        if not self.causal and not self.kinds:
-            return [(0, 0, local_len)]
-        return _pieces_of(self.layout, owner, self.ring.size, local_len)
+        return _plan_segments(self.layout, owner, self.ring.size, local_len, self.causal or bool(self.kinds))
+
+
+def _plan_segments(layout, owner: int, world_size: int, local_len: int, split: bool) -> list[tuple[int, int, int]]:
+    """The segments the ring pairs up for rank ``owner``'s shard: the layout's pieces when
+    positions matter (``split``: causal, or a kind placed by position), else the whole shard."""
+    if not split:
+        return [(0, 0, local_len)]
+    return _pieces_of(layout, owner, world_size, local_len)
+
+
+def _owner(rank: int, step: int, world_size: int) -> int:
+    """Whose key/value block rank ``rank`` holds at ring step ``step`` (blocks move r -> r+1)."""
+    return (rank - step) % world_size
+
+
+_Segment = tuple[int, int, int]
+
+
+def ring_plan(world_size: int, seq_len: int, *, layout: "str | DocumentLayout | None" = None,
+              mask: Optional[_masks.Mask] = None, causal: bool = False,
+              heads: int = 1) -> list[list[list[tuple[_Segment, _Segment, bool]]]]:
+    """What the ring computes: ``plan[step][rank]`` lists the ``(q segment, k segment, diagonal)``
+    pairs rank ``rank`` attends at step ``step`` (segments ``(local start, global start, length)``;
+    ``diagonal``: the causal triangle), the key block held then being rank ``(rank - step) % P``'s.
+    The same rule `ring_attention` follows, for a self-attention sequence of ``seq_len`` tokens
+    with ``mask`` written for the whole sequence (documents' ids (L,) or (1, L)) and ``layout``
+    as in `ring_attention` (default zigzag when causal, else contiguous).
+
+    >>> from multihead.distributed import ring_plan
+    >>> [[len(pairs) for pairs in step] for step in ring_plan(2, 8, causal=True)]
+    [[3, 3], [2, 2]]
+    """
+    for given, name in ((world_size, "world_size (the ranks P)"), (seq_len, "seq_len")):
+        value: object = given  # checked as the user may pass anything
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+            raise ValueError(f"{name} must be a positive int, got {given!r}")
+    m = _masks.as_mask(mask)
+    mask_causal, _, _, kinds = _split_mask(m, (1, heads, seq_len, seq_len), torch.device("cpu"))
+    causal = bool(causal) or mask_causal
+    layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
+    if isinstance(layout, DocumentLayout):
+        if sum(layout.lengths) != seq_len:
+            raise ValueError(f"the DocumentLayout's lengths sum to {sum(layout.lengths)} but the sequence has {seq_len} tokens")
+        layout.check(world_size)
+    else:
+        parts = world_size * _chunks_per_rank(layout)
+        if seq_len % parts:
+            raise ValueError(f"a {layout} ring over P={world_size} ranks cuts the sequence into {parts} equal chunks: "
+                             f"{seq_len} tokens is not a multiple of {parts}; pad the sequence or choose another P")
+    split = causal or bool(kinds)
+    local = seq_len // world_size
+    segs = [_plan_segments(layout, r, world_size, local, split) for r in range(world_size)]
+    return [[list(_block_pairs(segs[r], segs[_owner(r, step, world_size)], causal)) for r in range(world_size)]
+            for step in range(world_size)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -664,7 +717,7 @@ class _RingAttention(torch.autograd.Function):
         q_segs = spec.segments(ring.rank, Lq)
         block = _block(k, v, keep, spec.ids)
         for step in range(ring.size):
-            owner = (ring.rank - step) % ring.size
+            owner = _owner(ring.rank, step, ring.size)
             pending = None
             if step < ring.size - 1:  # start passing the block on while computing with it
                 pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
@@ -697,7 +750,7 @@ class _RingAttention(torch.autograd.Function):
         block = _block(k, v, keep, spec.ids)
         grads_out = None  # (dk, dv) of the block held in the previous step, summed so far
         for step in range(ring.size):
-            owner = (ring.rank - step) % ring.size
+            owner = _owner(ring.rank, step, ring.size)
             pending_kv = pending_grad = None
             if step < ring.size - 1:
                 pending_kv = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks (backward)", step=step)
