@@ -705,8 +705,10 @@ def ring_plan(world_size: int, seq_len: int, *, layout: "str | DocumentLayout | 
     as in `ring_attention` (default zigzag when causal, else contiguous).
 
     >>> from multihead.distributed import ring_plan
-    >>> [[len(pairs) for pairs in step] for step in ring_plan(2, 8, causal=True)]
-    [[3, 3], [2, 2]]
+    >>> plan = ring_plan(2, 8, causal=True)          # zigzag: rank 0 holds tokens 0-1 and 6-7
+    >>> step1 = plan[1]                              # step 1: rank r holds rank r-1's keys
+    >>> step1[0]                                     # rank 0's chunk 6-7 sees all of rank 1's
+    [((2, 6, 2), (0, 2, 2), False), ((2, 6, 2), (2, 4, 2), False)]
     """
     for given, name in ((world_size, "world_size (the ranks P)"), (seq_len, "seq_len")):
         value: object = given  # checked as the user may pass anything
