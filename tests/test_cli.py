@@ -70,7 +70,8 @@ def test_example_config_names_its_fields_and_the_cli_its_flags():
 def test_every_flag_reaches_a_typed_field():
     """A flag the parser has but Options/ExampleConfig lack would be dropped on the way."""
     explain = next(a for a in multihead.cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    dests = {a.dest for a in explain.choices["explain"]._actions} - {"help", *multihead.cli._CLI_ONLY}
+    dests = {a.dest for a in explain.choices["explain"]._actions} - {"help", *multihead.cli._CLI_ONLY,
+                                                                      *multihead.cli._RING_ONLY}  # test_ring_view
     typed = {f.name for f in fields(Options)} | set(multihead.cli._EXAMPLE_FIELDS)
     assert dests <= typed, dests - typed
     assert set(multihead.cli._EXAMPLE_FIELDS) <= {f.name for f in fields(ExampleConfig)}

@@ -47,7 +47,7 @@ BASE = dict(B=2, H=4, Hkv=2, n=4, D=8, Dv=8, dtype=torch.float32, causal=False, 
 # name: (the odd rank, BASE changes on every rank, changes on the odd rank, the field named, the
 # odd rank's value, the others' value, as the message shows them)
 DISAGREE = {
-    "shard_lengths": (2, {}, dict(n=2), "key/value shard length Lk", "2", "4"),
+    "shard_lengths": (2, dict(causal=True), dict(n=2), "key/value shard length Lk", "2", "4"),  # zigzag
     "float16_vs_bfloat16": (1, dict(dtype=torch.float16), dict(dtype=torch.bfloat16), "dtype", "torch.bfloat16", "torch.float16"),
     "float32_vs_float64": (0, {}, dict(dtype=torch.float64), "dtype", "torch.float64", "torch.float32"),
     "key_padding_on_one_rank": (2, {}, dict(padding=True), "key padding", "yes", "no"),
@@ -337,7 +337,7 @@ def test_a_differing_causal_flag_hides_the_layout_it_implies():
 
 
 def test_agreeing_ranks_and_a_single_rank_pass():
-    assert mhd._agree(_FakeRing(2, _table({})), _table({})[2]) is None
+    assert mhd._agree(_FakeRing(2, _table({})), _table({})[2]) == _table({})  # the table: each rank's lengths
     assert mhd._agree(_FakeRing(0, _table({})[:1]), _table({})[0]) is None
 
 

@@ -29,6 +29,7 @@ from .explain.options import FORMATS, Options
 __all__ = ["build_parser", "parse_options", "main", "UsageError"]
 
 _SEEDS = 2 ** 64  # torch.manual_seed takes 0 .. 2**64 - 1
+_RING_MAX = 10  # multihead.explain.ring_view.MAX_RANKS (not imported: it loads torch)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,6 +139,13 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
                      help="a mask part for the example, combined with & after --causal (causal then aligns per "
                           "document); repeat it or join parts with &, e.g. --mask 'documents:3,2&softcap:5'. "
                           "Parts: " + "; ".join(_MASK_SPECS.values()))
+    rv = ex.add_argument_group("ring view (context parallelism)")
+    rv.add_argument("--ring", type=_int_in("--ring", 1, _RING_MAX, "one digit per rank in the drawing"), default=d(None),
+                    metavar="P", help="draw which of P ranks computes which score blocks at each step of ring "
+                    "attention for the example's mask and --tokens (text or json), instead of the walkthrough")
+    rv.add_argument("--layout", choices=("contiguous", "zigzag", "documents"), default=d(None),
+                    help="how --ring cuts the sequence (default: zigzag when causal, else contiguous; documents: "
+                         "the balanced split of --mask documents:...)")
     out = ex.add_argument_group("output")
     out.add_argument("--lang", choices=("en", "zh"), default=d("en"), help="language (default en; png labels are English)")
     out.add_argument("--format", choices=FORMATS, default=d("text"))
@@ -339,7 +347,10 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> i
             raise UsageError("choose a command: multihead explain or multihead diagnose (see multihead --help)")
         if args.command == "diagnose":
             return _diagnose(args, stdout)
-        _check_options(args, set(vars(build_parser(defaults=False).parse_args(argv))))
+        given = set(vars(build_parser(defaults=False).parse_args(argv)))
+        if "ring" in given or "layout" in given:
+            return _ring(args, given, stdout)
+        _check_options(args, given)
         options = _typed(args)
         with warnings.catch_warnings(record=True) as caught, _progress.quiet(args.quiet):
             warnings.simplefilter("always", ExplainWarning)
@@ -355,6 +366,36 @@ def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> i
                 print(f"multihead: warning: {_one_line(w.message)}", file=stderr)
             else:  # not ours: shown as Python would have
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+#: flags of the ring view alone (multihead.explain.ring_view), not of Options
+_RING_ONLY = ("ring", "layout")
+#: walkthrough options the ring view reads: the example's sequence and mask
+_RING_READS = (*_RING_ONLY, "tokens", "heads", "causal", "mask", "lang", "format", "out", "quiet")
+
+
+def _ring(args, given: set, stdout) -> int:
+    """``multihead explain --ring P``: the ring's plan for the example's mask, text or json."""
+    if "ring" not in given:
+        raise UsageError("--layout applies to the ring view: add --ring P, or drop it")
+    for dest in sorted(given - set(_RING_READS) - {"command"}):
+        raise UsageError(f"{_flag(dest, args)} does not apply to --ring (it draws the ring's plan for --tokens, "
+                         "--heads, --causal and --mask); drop it")
+    if args.format not in ("text", "json"):
+        raise UsageError(f"--ring draws with --format text or json, not {args.format}")
+    from . import masks
+    from .explain import check_out, write_output
+    from .explain.ring_view import RingView
+
+    out = check_out(args.out, stdout)
+    part = parse_mask(tuple(args.mask or ()), tokens=args.tokens, keys=args.tokens, heads=args.heads, name="--mask")
+    causal = True if args.causal is None else args.causal
+    mask = masks.causal() if causal else None
+    mask = part if mask is None else (mask if part is None else mask & part)
+    view = RingView(args.ring, args.tokens, mask=mask, layout=args.layout, heads=args.heads)
+    text = view.text(args.lang) if args.format == "text" else view.to_json()
+    write_output(text + "\n", out, stdout)
+    return 0
 
 
 def _one_line(message: object) -> str:

@@ -63,6 +63,7 @@ __all__ = [
     "LAYOUTS",
     "DocumentLayout",
     "rank_work",
+    "ring_plan",
     "RingError",
     "mask_signature",
     "ring_attention",
@@ -263,7 +264,7 @@ def unshard_sequence(shards, layout: str = "contiguous", *, dim: int = -2) -> to
     return torch.cat(early + late, dim)
 
 
-def shard_positions(rank: int, world_size: int, seq_len: int, layout: str = "contiguous", *, device=None) -> torch.Tensor:
+def shard_positions(rank: int, world_size: int, seq_len: int, layout: "str | DocumentLayout" = "contiguous", *, device=None) -> torch.Tensor:
     """Global positions (L/P,) of the tokens in ``rank``'s shard of a length-``seq_len`` sequence.
 
     ``shard_sequence(torch.arange(L)[:, None], rank, P, layout)[:, 0]`` is the same thing.
@@ -351,10 +352,12 @@ class _Ring:
             raise self.error(what, None, e) from e
         return torch.stack(_Pending(self, [work], [mine], gathered, what, None).wait()).tolist()
 
-    def shift(self, tensors, *, tag: int, what: str, step: int) -> _Pending:
-        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous, asynchronously."""
+    def shift(self, tensors, *, tag: int, what: str, step: int, length: Optional[int] = None) -> _Pending:
+        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous, asynchronously;
+        ``length``: the received ones hold this many tokens on their sequence axis (dim -2 of 4-D
+        tensors, -1 of (B, n) ones) instead of as many as the sent ones (uneven shards)."""
         sent = [t.contiguous() for t in tensors]
-        received = [torch.empty_like(t) for t in sent]
+        received = [torch.empty_like(t) if length is None else t.new_empty(_with_length(t.shape, length)) for t in sent]
         ops = []
         for i, (s, r) in enumerate(zip(sent, received)):
             ops.append(dist.P2POp(dist.isend, s, self.next, self.group, tag + i))
@@ -364,6 +367,13 @@ class _Ring:
         except RuntimeError as e:
             raise self.error(what, step, e) from e
         return _Pending(self, works, sent, received, what, step)
+
+
+def _with_length(shape, length: int) -> list[int]:
+    """``shape`` with its sequence axis (dim -2 of (B, H, n, D), -1 of (B, n)) set to ``length``."""
+    out = list(shape)
+    out[-2 if len(out) == 4 else -1] = length
+    return out
 
 
 _TAG_KV = 0  # k, v, keep
@@ -387,12 +397,15 @@ _TAG_GRAD = 8  # dk, dv travelling home
 #   9 device     the device type's name (e.g. "cpu", "cuda"), ASCII, first 8 bytes, little-endian
 #  10 padding    bit 0: a key padding tensor travels with the keys; bit 1: document ids do
 #  11 causal     1 or 0
-#  12 layout     index in LAYOUTS with causal masking, -1 without (the layout is then unused)
+#  12 layout     index in LAYOUTS (a DocumentLayout's code) with causal masking or a kind placed
+#                by position, -1 without (the layout is then unused)
 #  13 scale      the float64 bits of the scale, as an int64 (compared bit for bit)
 #  14 autograd   1 if this call records the graph for backward (grad mode on and q, k or v
 #                requires grad), else 0; always 1 in the backward pass
 # Lq is not compared: queries never travel, so without causal masking the ranks may hold
-# different numbers of them (with it, Lq == Lk on every rank and Lk is compared).
+# different numbers of them (with it, Lq == Lk on every rank). Lk is compared unless every rank's
+# layout is contiguous or unused: contiguous shards may be uneven, and the table gives each
+# rank's length (its global start is the sum of the lengths before it).
 _FORMAT = 0x52494E47_0001
 _REJECTED = -_FORMAT
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -423,7 +436,7 @@ _FIELDS = (
     ("batch size B", str, "every rank must hold the same batch; shard the sequence axis, not the batch"),
     ("query heads H", str, _SAME_MODEL),
     ("key/value heads Hkv", str, _SAME_MODEL),
-    ("key/value shard length Lk", str, "every rank's k and v shards must have the same length: cut them with shard_sequence, padding the sequence to a multiple of P (2P for zigzag) and masking the padding with masks.key_padding"),
+    ("key/value shard length Lk", str, "zigzag and DocumentLayout shards must have the same length on every rank: cut them with shard_sequence, padding the sequence to a multiple of 2P and masking the padding with masks.key_padding (contiguous shards may be uneven)"),
     ("head dim D", str, _SAME_MODEL),
     ("value head dim Dv", str, _SAME_MODEL),
     ("dtype", lambda c: str(_DTYPES[c]), "cast q, k and v to one dtype on every rank, e.g. .to(torch.bfloat16)"),
@@ -437,7 +450,7 @@ _FIELDS = (
     ("scale", lambda c: repr(_bits_float(c)), "pass the same scale= on every rank (None gives 1/sqrt(D))"),
     ("autograd", lambda c: ("does not record the graph", "records the graph")[c], "backward is a ring too, so every rank or none must record the graph: run every rank in the same grad mode, with the same inputs requiring grad"),
 )
-_PASS, _CAUSAL, _LAYOUT = 1, 11, 12
+_PASS, _LK, _CAUSAL, _LAYOUT = 1, 5, 11, 12
 
 
 def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> list[int]:
@@ -448,7 +461,7 @@ def _describe(spec: "_Spec", q, k, v, keep, phase: str, records_graph: bool) -> 
         _DTYPES.index(q.dtype), _pack_name(q.device.type), int(keep is not None) | (2 if spec.ids is not None else 0),
         spec.causal,
         (spec.layout.code() if isinstance(spec.layout, DocumentLayout) else LAYOUTS.index(spec.layout))
-        if spec.causal else -1, _float_bits(spec.scale), records_graph,
+        if spec.causal or spec.kinds else -1, _float_bits(spec.scale), records_graph,
     ]
 
 
@@ -456,14 +469,15 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _agree(ring: _Ring, descriptor: list[int]) -> None:
-    """Raise the same ValueError on every rank of the ring unless they all sent ``descriptor``'s values."""
+def _agree(ring: _Ring, descriptor: list[int]) -> Optional[list[list[int]]]:
+    """Raise the same ValueError on every rank of the ring unless they all sent ``descriptor``'s
+    values; the table of every rank's descriptor when they agree (None for one rank)."""
     if ring.size == 1:
-        return
+        return None
     phase = _PASSES[descriptor[_PASS]]
     table = ring.all_gather(descriptor, what=f"the check that the ranks agree (before the {phase} ring)")
     if descriptor[0] == _REJECTED:
-        return  # this rank raises its own error
+        return None  # this rank raises its own error
     head = f"ring_attention, rank {ring.rank} of {ring.size}: "
     rejected = [r for r, row in enumerate(table) if row[0] == _REJECTED]
     if rejected:
@@ -473,8 +487,10 @@ def _agree(ring: _Ring, descriptor: list[int]) -> None:
         )
     columns = list(zip(*table))
     differ = [i for i, column in enumerate(columns) if len(set(column)) > 1]
+    if set(columns[_LAYOUT]) <= {-1, LAYOUTS.index("contiguous")} and _LK in differ:
+        differ.remove(_LK)  # contiguous shards may be uneven
     if not differ:
-        return
+        return table
     for first in (0, _PASS):  # another descriptor format, or forward meeting backward: the rest is noise
         if first in differ:
             differ = [first]
@@ -646,11 +662,76 @@ class _Spec:
         self.ids = ids
         #: window, chunked_local, alibi and softcap parts, placed at each block pair's global positions
         self.kinds = kinds
+        #: every rank's key/value shard length (from the agreement table), or None: all equal
+        self.lengths: Optional[list[int]] = None
+
+    def length(self, owner: int, local_len: int) -> Optional[int]:
+        """Tokens of rank ``owner``'s key/value block, None when every block has ``local_len``."""
+        return None if self.lengths is None or len(set(self.lengths)) == 1 else self.lengths[owner]
 
     def segments(self, owner: int, local_len: int):
-        if not self.causal and not self.kinds:
-            return [(0, 0, local_len)]
-        return _pieces_of(self.layout, owner, self.ring.size, local_len)
+        return _plan_segments(self.layout, owner, self.ring.size, local_len, self.causal or bool(self.kinds),
+                              self.lengths)
+
+
+def _plan_segments(layout, owner: int, world_size: int, local_len: int, split: bool,
+                   lengths: Optional[list[int]] = None) -> list[tuple[int, int, int]]:
+    """The segments the ring pairs up for rank ``owner``'s shard: the layout's pieces when
+    positions matter (``split``: causal, or a kind placed by position), else the whole shard.
+    ``lengths``: every rank's shard length, for uneven contiguous shards."""
+    if not split:
+        return [(0, 0, local_len)]
+    if layout == "contiguous" and lengths is not None:
+        return [(0, sum(lengths[:owner]), lengths[owner])]
+    return _pieces_of(layout, owner, world_size, local_len)
+
+
+def _owner(rank: int, step: int, world_size: int) -> int:
+    """Whose key/value block rank ``rank`` holds at ring step ``step`` (blocks move r -> r+1)."""
+    return (rank - step) % world_size
+
+
+_Segment = tuple[int, int, int]
+
+
+def ring_plan(world_size: int, seq_len: int, *, layout: "str | DocumentLayout | None" = None,
+              mask: Optional[_masks.Mask] = None, causal: bool = False,
+              heads: int = 1) -> list[list[list[tuple[_Segment, _Segment, bool]]]]:
+    """What the ring computes: ``plan[step][rank]`` lists the ``(q segment, k segment, diagonal)``
+    pairs rank ``rank`` attends at step ``step`` (segments ``(local start, global start, length)``;
+    ``diagonal``: the causal triangle), the key block held then being rank ``(rank - step) % P``'s.
+    The same rule `ring_attention` follows, for a self-attention sequence of ``seq_len`` tokens
+    with ``mask`` written for the whole sequence (documents' ids (L,) or (1, L)) and ``layout``
+    as in `ring_attention` (default zigzag when causal, else contiguous).
+
+    >>> from multihead.distributed import ring_plan
+    >>> plan = ring_plan(2, 8, causal=True)          # zigzag: rank 0 holds tokens 0-1 and 6-7
+    >>> step1 = plan[1]                              # step 1: rank r holds rank r-1's keys
+    >>> step1[0]                                     # rank 0's chunk 6-7 sees all of rank 1's
+    [((2, 6, 2), (0, 2, 2), False), ((2, 6, 2), (2, 4, 2), False)]
+    """
+    for given, name in ((world_size, "world_size (the ranks P)"), (seq_len, "seq_len")):
+        value: object = given  # checked as the user may pass anything
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+            raise ValueError(f"{name} must be a positive int, got {given!r}")
+    m = _masks.as_mask(mask)
+    mask_causal, _, _, kinds = _split_mask(m, (1, heads, seq_len, seq_len), torch.device("cpu"))
+    causal = bool(causal) or mask_causal
+    layout = ("zigzag" if causal else "contiguous") if layout is None else _check_layout(layout)
+    if isinstance(layout, DocumentLayout):
+        if sum(layout.lengths) != seq_len:
+            raise ValueError(f"the DocumentLayout's lengths sum to {sum(layout.lengths)} but the sequence has {seq_len} tokens")
+        layout.check(world_size)
+    else:
+        parts = world_size * _chunks_per_rank(layout)
+        if seq_len % parts:
+            raise ValueError(f"a {layout} ring over P={world_size} ranks cuts the sequence into {parts} equal chunks: "
+                             f"{seq_len} tokens is not a multiple of {parts}; pad the sequence or choose another P")
+    split = causal or bool(kinds)
+    local = seq_len // world_size
+    segs = [_plan_segments(layout, r, world_size, local, split) for r in range(world_size)]
+    return [[list(_block_pairs(segs[r], segs[_owner(r, step, world_size)], causal)) for r in range(world_size)]
+            for step in range(world_size)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -664,12 +745,13 @@ class _RingAttention(torch.autograd.Function):
         q_segs = spec.segments(ring.rank, Lq)
         block = _block(k, v, keep, spec.ids)
         for step in range(ring.size):
-            owner = (ring.rank - step) % ring.size
+            owner = _owner(ring.rank, step, ring.size)
             pending = None
             if step < ring.size - 1:  # start passing the block on while computing with it
-                pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step)
+                pending = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks", step=step,
+                                     length=spec.length(_owner(ring.rank, step + 1, ring.size), k.shape[2]))
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
-            for qsl, qb, kb, vb, kps, diagonal, _, ids, at in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+            for qsl, qb, kb, vb, kps, diagonal, _, ids, at in _pieces(q_segs, spec.segments(owner, block[0].shape[2]), spec.causal,
                                                                       q, block[0], block[1], kp, spec.ids, kids):
                 _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids, spec.kinds, at)
             if pending is not None:
@@ -697,16 +779,18 @@ class _RingAttention(torch.autograd.Function):
         block = _block(k, v, keep, spec.ids)
         grads_out = None  # (dk, dv) of the block held in the previous step, summed so far
         for step in range(ring.size):
-            owner = (ring.rank - step) % ring.size
+            owner = _owner(ring.rank, step, ring.size)
             pending_kv = pending_grad = None
             if step < ring.size - 1:
-                pending_kv = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks (backward)", step=step)
+                pending_kv = ring.shift(block, tag=_TAG_KV, what="passing key/value blocks (backward)", step=step,
+                                        length=spec.length(_owner(ring.rank, step + 1, ring.size), k.shape[2]))
             if grads_out is not None:  # the previous block's gradients move on with it
-                pending_grad = ring.shift(grads_out, tag=_TAG_GRAD, what="passing dk/dv", step=step)
+                pending_grad = ring.shift(grads_out, tag=_TAG_GRAD, what="passing dk/dv", step=step,
+                                          length=spec.length(owner, k.shape[2]))  # this step's block's
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
             dk = torch.zeros(block[0].shape, dtype=cdt, device=q.device)
             dv = torch.zeros(block[1].shape, dtype=cdt, device=q.device)
-            for qsl, qb, kb, vb, kps, diagonal, ksl, ids, at in _pieces(q_segs, spec.segments(owner, k.shape[2]), spec.causal,
+            for qsl, qb, kb, vb, kps, diagonal, ksl, ids, at in _pieces(q_segs, spec.segments(owner, block[0].shape[2]), spec.causal,
                                                                         q, block[0], block[1], kp, spec.ids, kids):
                 _attend_block_backward(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl],
                                        dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids,
@@ -718,7 +802,8 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 block = pending_kv.wait()
         if ring.size > 1:  # the last block's gradients are complete: send them home
-            grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1).wait()
+            grads_out = ring.shift(grads_out, tag=_TAG_GRAD, what="returning dk/dv to their owner", step=ring.size - 1,
+                                   length=spec.length(ring.rank, k.shape[2])).wait()
         dk, dv = grads_out
         dsink = None
         if sink is not None and ctx.needs_input_grad[5]:  # d logit_h = -Σ_rows p_sink · (dout · out)
@@ -883,8 +968,9 @@ def ring_attention(
     number without causal masking). One small all_gather checks this before the ring, and
     again before the backward ring; if any rank differs, every rank raises the same
     ValueError naming the ranks, the field, their values and the fix (and if one rank's own
-    arguments are rejected, the others raise too). The sequence length L must be a multiple
-    of P (2P for zigzag). Computation is in float32 for half inputs.
+    arguments are rejected, the others raise too). Zigzag and DocumentLayout shards have equal
+    lengths (L a multiple of 2P); contiguous shards may differ in length (rank r's starts after
+    the tokens of ranks 0 .. r-1), so a sequence need not be padded. Computation is in float32 for half inputs.
 
     Not checked: that the ranks pass the same group and hold shards of one sequence, cut the
     way ``layout`` says; and, in backward, that every rank runs the backward of the same call
@@ -900,7 +986,8 @@ def ring_attention(
         raise
     spec = _Spec(_Ring(group, timeout), causal, layout, scale, ids, kinds)
     records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
+    table = _agree(spec.ring, _describe(spec, q, k, v, keep, "forward", records_graph))
+    spec.lengths = None if table is None else [row[_LK] for row in table]
     _agree_on(spec.ring, "mask kinds and parameters", mask_signature(_masks.as_mask(mask)),
               "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
               head="ring_attention")
