@@ -362,10 +362,14 @@ def test_rope_lines_only_for_rotary_models(tmp_path):
 
 
 def test_a_too_long_text_is_refused_with_the_limit_and_why(dirs):
-    long = " ".join(["the cat sat on the mat ."] * 9)     # 63 tokens
+    # past MAX_TOKENS a text is shown as chosen rows (tests/test_explain_long.py), up to the
+    # positions the model was trained on: the tiny llama's max_position_embeddings is 64
+    long = " ".join(["the cat sat on the mat ."] * 10)    # 70 tokens
     rc, out, err = cli("--model", dirs["llama"], "--text", long)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert f"the views fit {models.MAX_TOKENS}" in err and "(L, L) weights" in err
+    assert "explain takes at most 64" in err and "max_position_embeddings is 64" in err
+    rc, out, err = cli("--model", dirs["llama"], "--text", " ".join(["the cat sat on the mat ."] * 9))   # 63
+    assert rc == 0 and "63 tokens: past 60" in out, err
 
 
 # ---------------------------------------------------------------------------- cross-attention
