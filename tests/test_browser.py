@@ -574,3 +574,38 @@ def test_a_softcapped_models_hover_caps_the_worked_score(open_page, tmp_path_fac
     assert abs(shown) < 1.5 and math.isfinite(shown)
     blocked = page.eval_on_selector_all("#heat-weights .cell.blocked", "cells => cells.length")
     assert blocked == int((~rec.keep[1]).sum())
+
+
+def test_a_long_text_page_opens_quickly_with_its_rows(open_page, tmp_path_factory):
+    """A text of LONG_MAX_TOKENS tokens (issue 24 item 4): the rows of one layer, opened within 2 s."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import time
+
+    import torch
+    import transformers as tf
+
+    from multihead.explain import models
+    from multihead.explain.real_model import explain_model
+    from tiny_hf import WORDS, _tokenizer
+
+    path = tmp_path_factory.mktemp("long") / "llama"
+    torch.manual_seed(0)
+    tf.LlamaModel(tf.LlamaConfig(vocab_size=len(WORDS) + 4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=96, max_position_embeddings=8192,
+                                 initializer_range=0.2)).eval().save_pretrained(path)
+    _tokenizer(False).save_pretrained(path)
+    L = models.LONG_MAX_TOKENS
+    result = explain_model(str(path), " ".join(WORDS[i % len(WORDS)] for i in range(L)), rows=[0, L // 2, L - 1])
+    start = time.perf_counter()
+    page, events, url = open_page(result.html())
+    page.wait_for_selector("#heat-weights .cell")
+    opened = time.perf_counter() - start
+    print(f"a {L}-token page ({len(result.html()) // 1024} KiB) opened in {opened:.2f} s")
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert opened < 2.0
+    rows = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => e.textContent)")
+    assert rows == [result.run.tokens[r] for r in (0, L // 2, L - 1)]
+    shown = _weights_shown(page)
+    assert shown == pytest.approx(result.run.weights[0, 0].flatten().tolist(), abs=1e-6)
+    assert page.is_visible("#long-summary")
