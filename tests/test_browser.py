@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from multihead.cli import parse_options
 from multihead.explain import visual
@@ -609,3 +610,32 @@ def test_a_long_text_page_opens_quickly_with_its_rows(open_page, tmp_path_factor
     shown = _weights_shown(page)
     assert shown == pytest.approx(result.run.weights[0, 0].flatten().tolist(), abs=1e-6)
     assert page.is_visible("#long-summary")
+
+
+def test_a_notebook_pages_compact_layers_draw_within_half_a_step(open_page, tmp_path_factory):
+    """Issue 24 item 5: the notebook page stores the layers it does not open at one byte per
+    weight and a bit per mask entry; the script unpacks them: the drawn weights are within 1/510
+    of the run's, the mask is the run's, and the hover says the weight is stored to 1/255."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import tiny_hf
+
+    from multihead.explain.real_model import explain_model
+
+    path = tiny_hf.save_tiny("mistral", tmp_path_factory.mktemp("compact") / "model")   # a window of 3
+    result = explain_model(path, tiny_hf.SENTENCE, layer=1)
+    page, events, url = open_page(result.notebook_page)
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    page.select_option("#batch-select", "0")        # layer 0: stored compactly
+    page.select_option("#head-select", "2")
+    want = result.run.layers[0].weights[2].float()
+    shown = torch.tensor(_weights_shown(page)).view_as(want)
+    assert (shown - want).abs().max().item() <= 1 / 510 + 1e-7
+    assert shown.ne(want).any()                      # it is the compact copy that is drawn
+    blocked = page.eval_on_selector_all("#heat-weights .cell", "cells => cells.map(c => c.classList.contains('blocked'))")
+    assert torch.tensor(blocked).view_as(want).equal(~result.run.layers[0].keep[2])
+    _hover(page, '#heat-weights .cell[data-q="4"][data-k="3"]')
+    assert "stored to 1/255" in page.inner_text("#tip")
+    page.select_option("#batch-select", "1")        # the opening layer: exact
+    exact = torch.tensor(_weights_shown(page)).view_as(want)
+    assert exact.equal(result.run.layers[1].weights[2].float())

@@ -173,6 +173,8 @@ _WORDS = {
     "page.checks_none": ("No checks were recorded.", "没有记录检查。"),
     "page.hover": ("Hover over (or tap) a cell to read its value.", "将鼠标悬停（或轻点）在格子上查看数值。"),
     "page.blocked": ("blocked", "已屏蔽"),
+    "page.approx": ("≈, stored to 1/255 in this lighter page; the exact weights: this layer opened in the full page (.html())",
+        "≈，此轻量页面只存到 1/255；精确权重见完整页面（.html()）中的这一层"),
     "page.short_scores": ("score", "分数"),
     "page.short_mask": ("mask", "掩码"),
     "page.short_weights": ("weight", "权重"),

@@ -683,7 +683,7 @@ class ModelPage:
     run: the :class:`~multihead.explain.models.RealRun` shown; page: the whole HTML page (what
     ``multihead explain --model ... --format html`` writes: every layer's q and k for the worked
     score). In Jupyter it displays inline (``_repr_html_``: a lighter page, with the scores, q and k
-    only for the layer it opens at (every layer's weights), in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
+    and exact weights only for the layer it opens at (the others' weights to 1/255), in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
     language switch stay out of the notebook).
     """
 
@@ -697,8 +697,9 @@ class ModelPage:
 
     @functools.cached_property
     def notebook_page(self) -> str:
-        """The page with the scores, q and k (the worked score's operands) of the opening layer
-        only; a long text's page as it is (it holds one layer's rows)."""
+        """The page with the scores, q and k (the worked score's operands) and the exact weights
+        of the opening layer only, the other layers' weights one byte each and their masks as
+        bits (:func:`.visual.weights8`); a long text's page as it is (it holds one layer's rows)."""
         if isinstance(self.run, LongRun):
             return self.page
         return _render(self.run, light=True, **self.options)
@@ -734,7 +735,8 @@ def _render(real: RealRun, *, model: str, layer: Optional[int], head: Optional[i
     maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
                                                 token=token, lang=lang,
                                                 operand_layers=(lambda s: [s]) if light else (lambda s: None))
-    return visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+    return visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments,
+                              exact=[start] if light else None)
 
 
 def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
