@@ -842,7 +842,8 @@ def explain_attentions(attentions: Any, tokens: Sequence[str], *, title: str = "
             (layers, H, L, L) tensor; batch element 0 is shown.
         tokens: the L tokens (``tokenizer.convert_ids_to_tokens(ids[0])``); space markers are
             drawn as ``␣``.
-        layer, head: shown first (default: the layer with the most labelled heads, head 0).
+        layer: the layer shown first (default: the layer with the most labelled heads).
+        head: the head shown first (default 0).
 
     A key whose weight is 0 in every row of a head is still drawn as visible: the weights do not
     say what the mask was (explain_model, which records the mask, does).
