@@ -183,3 +183,21 @@ def test_past_the_long_limit_the_refusal_says_it_and_why(long_dir):
     rc, out, err = cli("--model", long_dir, "--text", _text(models.LONG_MAX_TOKENS + 1))
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert f"at most {models.LONG_MAX_TOKENS}" in err and "log-sum-exp" in err and "forward pass" in err
+
+
+def test_smollm2_on_two_thousand_tokens(smollm2_model):
+    """The 135M-parameter decoder (30 layers, 9 query heads on 3 kv heads, RoPE) on a long text:
+    each chosen row's weights are a distribution over the keys up to its own position."""
+    words = "the cat sat on the mat while a dog ran past the old house by the river".split()
+    text = " ".join(words[i % len(words)] for i in range(2000))
+    long = smollm2_model.run_rows(text, [0, 1000, 1999])
+    L = len(long.tokens)
+    assert L >= 2000
+    w = long.weights
+    assert w.shape == (30, 9, 3, L)
+    causal = torch.arange(L)[None, :] <= torch.tensor([0, 1000, 1999])[:, None]
+    assert torch.equal(long.keep, causal.expand_as(long.keep))
+    assert (w[~long.keep] == 0).all()
+    assert (w.sum(-1) - 1).abs().max().item() <= (L + 2) * EPS32
+    s = long.summary()
+    assert s["top"].shape == (30, 9) and (s["entropy"] >= 0).all()
