@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from multihead.cli import parse_options
 from multihead.explain import visual
@@ -574,3 +575,67 @@ def test_a_softcapped_models_hover_caps_the_worked_score(open_page, tmp_path_fac
     assert abs(shown) < 1.5 and math.isfinite(shown)
     blocked = page.eval_on_selector_all("#heat-weights .cell.blocked", "cells => cells.length")
     assert blocked == int((~rec.keep[1]).sum())
+
+
+def test_a_long_text_page_opens_quickly_with_its_rows(open_page, tmp_path_factory):
+    """A text of LONG_MAX_TOKENS tokens (issue 24 item 4): the rows of one layer, opened within 2 s."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import time
+
+    import torch
+    import transformers as tf
+
+    from multihead.explain import models
+    from multihead.explain.real_model import explain_model
+    from tiny_hf import WORDS, _tokenizer
+
+    path = tmp_path_factory.mktemp("long") / "llama"
+    torch.manual_seed(0)
+    tf.LlamaModel(tf.LlamaConfig(vocab_size=len(WORDS) + 4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=96, max_position_embeddings=8192,
+                                 initializer_range=0.2)).eval().save_pretrained(path)
+    _tokenizer(False).save_pretrained(path)
+    L = models.LONG_MAX_TOKENS
+    result = explain_model(str(path), " ".join(WORDS[i % len(WORDS)] for i in range(L)), rows=[0, L // 2, L - 1])
+    start = time.perf_counter()
+    page, events, url = open_page(result.html())
+    page.wait_for_selector("#heat-weights .cell")
+    opened = time.perf_counter() - start
+    print(f"a {L}-token page ({len(result.html()) // 1024} KiB) opened in {opened:.2f} s")
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    assert opened < 2.0
+    rows = page.eval_on_selector_all("#heat-weights .tok.row", "els => els.map(e => e.textContent)")
+    assert rows == [result.run.tokens[r] for r in (0, L // 2, L - 1)]
+    shown = _weights_shown(page)
+    assert shown == pytest.approx(result.run.weights[0, 0].flatten().tolist(), abs=1e-6)
+    assert page.is_visible("#long-summary")
+
+
+def test_a_notebook_pages_compact_layers_draw_within_half_a_step(open_page, tmp_path_factory):
+    """Issue 24 item 5: the notebook page stores the layers it does not open at one byte per
+    weight and a bit per mask entry; the script unpacks them: the drawn weights are within 1/510
+    of the run's, the mask is the run's, and the hover says the weight is stored to 1/255."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import tiny_hf
+
+    from multihead.explain.real_model import explain_model
+
+    path = tiny_hf.save_tiny("mistral", tmp_path_factory.mktemp("compact") / "model")   # a window of 3
+    result = explain_model(path, tiny_hf.SENTENCE, layer=1)
+    page, events, url = open_page(result.notebook_page)
+    assert events["console_errors"] == [] and events["requests"] == [url]
+    page.select_option("#batch-select", "0")        # layer 0: stored compactly
+    page.select_option("#head-select", "2")
+    want = result.run.layers[0].weights[2].float()
+    shown = torch.tensor(_weights_shown(page)).view_as(want)
+    assert (shown - want).abs().max().item() <= 1 / 510 + 1e-7
+    assert shown.ne(want).any()                      # it is the compact copy that is drawn
+    blocked = page.eval_on_selector_all("#heat-weights .cell", "cells => cells.map(c => c.classList.contains('blocked'))")
+    assert torch.tensor(blocked).view_as(want).equal(~result.run.layers[0].keep[2])
+    _hover(page, '#heat-weights .cell[data-q="4"][data-k="3"]')
+    assert "stored to 1/255" in page.inner_text("#tip")
+    page.select_option("#batch-select", "1")        # the opening layer: exact
+    exact = torch.tensor(_weights_shown(page)).view_as(want)
+    assert exact.equal(result.run.layers[1].weights[2].float())

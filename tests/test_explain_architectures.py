@@ -15,6 +15,7 @@ is compared:
 Legend: L tokens, H query heads, Hkv key/value heads, D head dim.
 """
 
+import base64
 import html
 import io
 import json
@@ -307,12 +308,23 @@ def test_why9_the_notebook_output_embeds_q_and_k_of_the_shown_layer_only(tmp_pat
     data = _page_data(html.unescape(re.search(r'srcdoc="(.*?)"', cell, re.S).group(1)))
     with_operands = [i for i, m in enumerate(data["maps"]) if m["q"] is not None]
     with_scores = [i for i, m in enumerate(data["maps"]) if m["scores"] is not None]
-    assert with_operands == with_scores == [2]
-    assert all(m["weights"] is not None for m in data["maps"])
+    with_exact = [i for i, m in enumerate(data["maps"]) if m["weights"] is not None]
+    assert with_operands == with_scores == with_exact == [2]
     print(f"notebook cell: {len(cell.encode()) / 1024:.1f} KiB for 6 layers x 4 heads x {len(SENTENCE.split())} tokens")
-    # the whole page (to a file) still holds every layer's operands
+    # the whole page (to a file) still holds every layer's operands and exact weights
     full = _page_data(page.html())
-    assert all(m["q"] is not None for m in full["maps"])
+    assert all(m["q"] is not None and "w8" not in m for m in full["maps"])
+    # the other layers' weights: one byte each, within half a step (1/510) of the exact ones; masks as bits
+    for i, (light, whole) in enumerate(zip(data["maps"], full["maps"])):
+        if i == 2:
+            assert light["weights"] == whole["weights"]
+            continue
+        H, Lq, Lk = light["shape"]
+        w8 = torch.tensor(list(base64.b64decode(light["w8"])), dtype=torch.float64).view(H, Lq, Lk) / 255
+        assert (w8 - torch.tensor(whole["weights"], dtype=torch.float64)).abs().max().item() <= 1 / 510 + 1e-7
+        raw = base64.b64decode(light["k8"])
+        bits = torch.tensor([(raw[n // 8] >> (7 - n % 8)) & 1 for n in range(H * Lq * Lk)]).view(H, Lq, Lk)
+        assert torch.equal(bits, torch.tensor(whole["keep"]))
 
 
 def test_explain_model_is_a_top_level_name():
@@ -362,10 +374,14 @@ def test_rope_lines_only_for_rotary_models(tmp_path):
 
 
 def test_a_too_long_text_is_refused_with_the_limit_and_why(dirs):
-    long = " ".join(["the cat sat on the mat ."] * 9)     # 63 tokens
+    # past MAX_TOKENS a text is shown as chosen rows (tests/test_explain_long.py), up to the
+    # positions the model was trained on: the tiny llama's max_position_embeddings is 64
+    long = " ".join(["the cat sat on the mat ."] * 10)    # 70 tokens
     rc, out, err = cli("--model", dirs["llama"], "--text", long)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert f"the views fit {models.MAX_TOKENS}" in err and "(L, L) weights" in err
+    assert "explain takes at most 64" in err and "max_position_embeddings is 64" in err
+    rc, out, err = cli("--model", dirs["llama"], "--text", " ".join(["the cat sat on the mat ."] * 9))   # 63
+    assert rc == 0 and "63 tokens: past 60" in out, err
 
 
 # ---------------------------------------------------------------------------- cross-attention

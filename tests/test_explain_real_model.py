@@ -178,7 +178,7 @@ def test_out_dash_writes_the_text_to_stdout(tmp_path, monkeypatch):
         (("--text", "   "), "--text is empty"),
         (("--format", "json"), "--model writes text, html or png; drop --format json"),
         (("--cost",), "--cost belongs to the step-by-step walkthrough"),
-        (("--text", "word " * 80), "--text has 82 tokens"),
+        (("--text", "word " * 600), "--text has 602 tokens for all-MiniLM-L6-v2; explain takes at most 512"),
         (("--tokens", "5"), "--tokens belongs to the step-by-step walkthrough, not to --model; drop it"),
         (("--no-values",), "--no-values belongs to the step-by-step walkthrough, not to --model; drop it"),
         *([(("--out", "/dev/full"), "cannot write --out /dev/full: No space left on device")]

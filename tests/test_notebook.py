@@ -11,6 +11,7 @@ Skips only when nbclient or ipykernel is not installed (both are in the test ext
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import re
@@ -177,7 +178,7 @@ def test_a_trace_too_long_for_heat_maps_still_shows_its_steps():
 
 def test_a_real_models_page_and_neuron_view_display_inline(executed):
     """``explain_model(DIR, text, neuron=True)`` in a cell: the page in its isolated frame, with
-    the model's weights on every layer, the worked score's operands (q after RoPE, keys per kv
+    the model's weights on every layer (exact on the layer it opens at, else one byte each), the worked score's operands (q after RoPE, keys per kv
     head) of the layer it opens at (only: the cell stays light) and the neuron view's numbers, the same as this process computes from the saved model."""
     if len(executed.cells) == len(CELLS):
         pytest.skip("transformers and tokenizers are in the hf extra: pip install -e '.[hf]'")
@@ -194,10 +195,12 @@ def test_a_real_models_page_and_neuron_view_display_inline(executed):
     assert data["group"] == "layer" and (data["start"], data["head"]) == (1, 3)
     assert len(data["maps"]) == 2
     for layer, (m, rec) in enumerate(zip(data["maps"], real.layers)):
-        assert torch.equal(torch.tensor(m["weights"], dtype=torch.float32), rec.weights.float())
-        if layer != data["start"]:   # the cell embeds the operands of the layer it opens at only
-            assert m["q"] is None and m["k"] is None and m["scores"] is None
+        if layer != data["start"]:   # the cell embeds the operands and exact weights of the layer it opens at only
+            assert m["q"] is None and m["k"] is None and m["scores"] is None and m["weights"] is None
+            w8 = torch.tensor(list(base64.b64decode(m["w8"])), dtype=torch.float64).view(m["shape"]) / 255
+            assert (w8 - rec.weights.double()).abs().max().item() <= 1 / 510 + 1e-7   # one byte per weight
             continue
+        assert torch.equal(torch.tensor(m["weights"], dtype=torch.float32), rec.weights.float())
         assert torch.equal(torch.tensor(m["q"], dtype=torch.float32), rec.q.float())    # after RoPE
         assert torch.equal(torch.tensor(m["k"], dtype=torch.float32), rec.k.float())    # (Hkv = 2, L, D)
         assert m["scale"] == rec.scale
@@ -210,3 +213,26 @@ def test_a_real_models_page_and_neuron_view_display_inline(executed):
                                              f"{view.weights[j].item():.3f}")]
     assert nums == expected * 2    # the English and the Chinese copy, one shown by the language switch
     assert 'data-l="zh"' in section[1] and "第 3 个头读取第 1 个键/值头" in section[1]
+
+
+def test_a_smollm2_page_at_the_limit_is_a_light_notebook_cell(smollm2_model):
+    """Issue 24 item 5: SmolLM2 (30 layers x 9 heads) on a text of MAX_TOKENS tokens, as a notebook
+    cell: the opening layer exact, the others' weights one byte each and masks as bits."""
+    from multihead.explain import models
+    from multihead.explain.real_model import explain_model
+
+    words = "the cat sat on the mat while a dog ran past".split()
+    text = ""
+    for n in range(1, 200):
+        longer = " ".join(words[i % len(words)] for i in range(n))
+        if len(smollm2_model.tokenizer(longer)["input_ids"]) > models.MAX_TOKENS:
+            break
+        text = longer
+    page = explain_model("smollm2", text)
+    L = len(page.run.tokens)
+    assert L >= models.MAX_TOKENS - 2
+    cell = page._repr_html_()
+    size = len(cell.encode())
+    whole = len(page.html().encode())
+    print(f"SmolLM2 at {L} tokens: notebook cell {size / 2**20:.2f} MiB (whole page {whole / 2**20:.2f} MiB)")
+    assert size <= 4 * 2**20

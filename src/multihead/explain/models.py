@@ -51,11 +51,18 @@ from .._numerics import default_scale
 from .._progress import progress
 from . import UsageError
 
-__all__ = ["MODELS", "MAX_TOKENS", "ModelSpec", "ModelError", "ModelInfo", "LayerRecord", "RealRun",
+__all__ = ["MODELS", "MAX_TOKENS", "LONG_MAX_TOKENS", "LONG_ROWS", "ModelSpec", "ModelError", "ModelInfo",
+           "LayerRecord", "RealRun", "RowsRecord", "LongRun",
            "RealModel", "load", "wrap", "check_name", "kv_groups", "shown", "SPACE"]
 
-#: the longest sentence (in tokens) the views lay out
+#: the longest sentence (in tokens) the views lay out whole: every layer's (L, L) weights of every head
 MAX_TOKENS = 60
+#: the longest text (in tokens) explain takes: past MAX_TOKENS it shows chosen query rows, their
+#: weights recomputed from the log-sum-exp (O(L) memory per head and row), and a per-head summary;
+#: past this the forward pass itself (the model's MLPs, on the CPU) is what takes the time
+LONG_MAX_TOKENS = 4096
+#: how many query rows a long text shows when none is chosen: its last tokens
+LONG_ROWS = 4
 _NAME = "multihead_explain"  # the AttentionInterface entry of the recording wrapper
 
 
@@ -303,6 +310,69 @@ class RealRun:
                 raise ModelError(f"{flag} {value} is out of range: {self.info.title} has {what} 0-{count - 1}")
 
 
+@dataclass(repr=False)
+class RowsRecord:
+    """One attention layer on a long text, at the chosen query rows only (batch 1 dropped).
+
+    weights: (H, R, Lk) float32, the weights of the R chosen query rows, exp(s - lse) from the
+        chunked backend's log-sum-exp (:func:`multihead.attention_weights` with ``rows=``): no
+        (H, L, L) tensor is built.
+    keep: (H, R, Lk) bool, True = the row's query may attend to the key (the layer's mask at those rows).
+    scale: the factor of q·k (the layer's ``scaling``).
+    role: as :attr:`LayerRecord.role`.
+    """
+
+    weights: torch.Tensor
+    keep: torch.Tensor
+    scale: float
+    role: str = "self"
+
+    def __repr__(self) -> str:
+        return f"<RowsRecord: weights {tuple(self.weights.shape)}, scale {self.scale:.4g}>"
+
+
+@dataclass(repr=False)
+class LongRun:
+    """A long text through a model (more than :data:`MAX_TOKENS` tokens): its L tokens, the chosen
+    query ``rows`` and one :class:`RowsRecord` per layer (:meth:`RealModel.run_rows`)."""
+
+    info: ModelInfo
+    text: str
+    tokens: list[str]
+    ids: list[int]
+    rows: list[int]
+    layers: list[RowsRecord]
+
+    def __repr__(self) -> str:
+        return (f"<LongRun: {self.info.title}, {len(self.tokens)} tokens, rows {self.rows}, {len(self.layers)} layers x "
+                f"{self.info.heads} heads; .weights (layers, H, R, L), .summary()>")
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """(layers, H, R, L) float32, every layer's weights at the chosen rows."""
+        return torch.stack([r.weights for r in self.layers]).float()
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """(layers, H, R, L) bool, every layer's mask at the chosen rows."""
+        return torch.stack([r.keep for r in self.layers])
+
+    def summary(self) -> dict[str, torch.Tensor]:
+        """Per layer and head, over the chosen rows (each (layers, H)): "top" the key with the most
+        weight summed over the rows, "top_weight" its mean weight, "first" the mean weight on
+        token 0, "entropy" the mean entropy of a row in bits (log2 of how many keys it spreads over)."""
+        w = self.weights
+        top_weight, top = w.mean(2).max(-1)
+        logs = torch.where(w > 0, torch.log2(w.clamp_min(torch.finfo(w.dtype).tiny)), torch.zeros_like(w))
+        return {"top": top, "top_weight": top_weight, "first": w[..., 0].mean(2),
+                "entropy": -(w * logs).sum(-1).mean(2)}
+
+    def check_indices(self, *, layer: Optional[int] = None, head: Optional[int] = None,
+                      token: Optional[int] = None) -> None:
+        """As :meth:`RealRun.check_indices`."""
+        RealRun.check_indices(cast(RealRun, self), layer=layer, head=head, token=token)
+
+
 # ---------------------------------------------------------------------------- recording
 _state = threading.local()
 
@@ -324,6 +394,8 @@ def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         result: tuple[torch.Tensor, Any] = attention_forward(module, query, key, value, attention_mask, scaling,
                                                              dropout, is_causal, **kwargs)
         return result
+    if rec.get("rows") is not None:
+        return _recorded_rows(rec, module, query, key, value, attention_mask, scaling, dropout, is_causal, **kwargs)
     kwargs["output_attentions"] = True
     with trace() as tr:
         out, weights = attention_forward(module, query, key, value, attention_mask, scaling, dropout, is_causal,
@@ -348,6 +420,34 @@ def _recorded_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         "sliding_window": kwargs.get("sliding_window"),
     })
     return out, weights
+
+
+def _recorded_rows(rec: dict[str, Any], module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], scaling: Optional[float], dropout: float,
+                   is_causal: Optional[bool], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """A long text's call: the output from the chunked backend (tile by tile), and the weights
+    of ``rec["rows"]`` only, exp(s - lse) (:func:`multihead.attention_weights` with ``rows=``),
+    with the mask at those rows; nothing of size (H, L, L) is built."""
+    from ..functional import attention_weights
+    from ..integrations.transformers import attention_forward, call_mask
+
+    kwargs.pop("output_attentions", None)
+    out, _ = attention_forward(module, query, key, value, attention_mask, scaling, dropout, is_causal,
+                               backend="chunked", **kwargs)
+    mask = call_mask(module, query, key, attention_mask, is_causal, **kwargs)
+    scale = float(default_scale(query.shape[-1]) if scaling is None else scaling)
+    rows = rec["rows"]
+    weights = attention_weights(query, key, mask, scale=scale, rows=rows)[0].detach().float()
+    H, Lk = query.shape[1], key.shape[2]
+    shape = (1, H, query.shape[2], Lk)
+    keep = torch.ones(H, len(rows), Lk, dtype=torch.bool)
+    if mask is not None:
+        for i, r in enumerate(rows):
+            tile = mask.block(r, r + 1, 0, Lk, shape, device=query.device, dtype=torch.float32)
+            if tile.keep is not None:
+                keep[:, i] &= tile.keep[0, :, 0].expand(H, Lk).cpu()
+    rec["calls"].append({"module": module, "weights": weights.cpu(), "keep": keep, "scale": scale})
+    return out, None
 
 
 def _scores(tr: Any) -> torch.Tensor:
@@ -467,24 +567,81 @@ class RealModel:
         self.roles = _roles(net)
         self.info = ModelInfo(name, title, layers, heads, kv, head_dim, hidden, rope, family)
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest text this model is explained on: :data:`LONG_MAX_TOKENS`, or fewer where the
+        config's ``max_position_embeddings`` (the positions it was trained on) ends sooner."""
+        config = self.net.config
+        config = getattr(config, "get_text_config", lambda: config)()
+        positions = getattr(config, "max_position_embeddings", None)
+        return min(LONG_MAX_TOKENS, positions) if isinstance(positions, int) and positions > 0 else LONG_MAX_TOKENS
+
+    def is_long(self, ids: torch.Tensor) -> bool:
+        """Whether ``ids`` (1, L) are past :data:`MAX_TOKENS`: shown as chosen rows (:meth:`run_rows`)."""
+        return ids.shape[1] > MAX_TOKENS
+
     def tokenize(self, text: str) -> tuple[list[str], torch.Tensor]:
         """``(tokens, ids (1, L))`` of ``text``, the tokens as the views print them (:func:`shown`);
-        ValueError for an empty or too long text."""
+        ValueError for an empty or too long text (:attr:`max_tokens`)."""
         if not isinstance(text, str) or not text.strip():
             raise ModelError('--text is empty; give a sentence, e.g. --text "The cat sat on the mat"')
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         L = ids.shape[1]
-        if L > MAX_TOKENS:
-            raise ModelError(f"--text has {L} tokens for {self.title}; the views fit {MAX_TOKENS}: they draw every "
-                             "layer's (L, L) weights of every head, one cell per pair, which past that neither reads "
-                             "on a screen nor stays light in a page; use a shorter sentence")
+        limit = self.max_tokens
+        if L > limit:
+            why = (f"its max_position_embeddings is {limit}: positions past that were never trained"
+                   if limit < LONG_MAX_TOKENS else
+                   f"up to {MAX_TOKENS} tokens the views draw every layer's (L, L) weights of every head; past that "
+                   f"they show chosen query rows, recomputed from the log-sum-exp in O(L) memory, and past "
+                   f"{LONG_MAX_TOKENS} the model's own forward pass on the CPU takes minutes")
+            raise ModelError(f"--text has {L} tokens for {self.title}; explain takes at most {limit} ({why}); "
+                             "use a shorter text")
         if L < 2:
             raise ModelError(f"--text gives {L} token for {self.title}; give a sentence of at least two tokens")
         return [shown(t) for t in self.tokenizer.convert_ids_to_tokens(ids[0].tolist())], ids
 
     def run(self, text: str) -> RealRun:
-        """``text`` through the model, every layer recorded (:class:`RealRun`)."""
+        """``text`` through the model, every layer recorded (:class:`RealRun`); ValueError for a
+        text of more than :data:`MAX_TOKENS` tokens (:meth:`run_rows` shows those)."""
         tokens, ids = self.tokenize(text)
+        if self.is_long(ids):
+            raise ModelError(f"--text has {ids.shape[1]} tokens for {self.title}; the views fit {MAX_TOKENS} (every "
+                             "layer's (L, L) weights of every head): use run_rows(text, rows) for a longer text")
+        self._warn_unknown(tokens)
+        rec: dict[str, Any] = {"calls": [], "inputs": {}}
+        hooks = _hook_inputs(rec, self.net)
+        self._forward(rec, ids, hooks)
+        known = {id(m): (f, o) for m, f, o in _attention_modules(self.net)}
+        records = []
+        for call in rec["calls"]:
+            module = call["module"]
+            hidden, pos, memory = rec["inputs"].get(id(module), (None, None, None))
+            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None)), memory=memory,
+                                        role=self.roles.get(id(module), "self")))
+        return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
+
+    def run_rows(self, text: str, rows: Optional[list[int]] = None) -> LongRun:
+        """``text`` (up to :attr:`max_tokens` tokens) through the model, each layer's weights
+        recorded at the query positions ``rows`` only (default: the last :data:`LONG_ROWS`), from
+        the chunked backend's log-sum-exp: memory O(L) per head and row (:class:`LongRun`)."""
+        tokens, ids = self.tokenize(text)
+        L = len(tokens)
+        if rows is None:
+            rows = list(range(max(0, L - LONG_ROWS), L))
+        if not isinstance(rows, (list, tuple)) or not rows or not all(
+                isinstance(r, int) and not isinstance(r, bool) for r in rows):
+            raise TypeError(f"rows must be a non-empty list of token positions (ints), got {rows!r}")
+        bad = [r for r in rows if not 0 <= r < L]
+        if bad:
+            raise ModelError(f"--token {bad[0]} is out of range: the text has tokens 0-{L - 1}")
+        self._warn_unknown(tokens)
+        rec: dict[str, Any] = {"calls": [], "inputs": {}, "rows": list(rows)}
+        self._forward(rec, ids, [])
+        records = [RowsRecord(c["weights"], c["keep"], c["scale"], self.roles.get(id(c["module"]), "self"))
+                   for c in rec["calls"]]
+        return LongRun(self.info, text, tokens, ids[0].tolist(), list(rows), records)
+
+    def _warn_unknown(self, tokens: list[str]) -> None:
         unk = getattr(self.tokenizer, "unk_token", None)
         unknown = tokens.count(unk) if unk is not None else 0
         if unknown:
@@ -493,9 +650,10 @@ class RealModel:
             warnings.warn(ExplainWarning(
                 f"text: {unknown} of {len(tokens)} tokens are {unk}: the {self.title} vocabulary cannot represent "
                 "them, so their rows and columns say nothing about the words; use text in the model's language"
-                + (f" ({_LANGUAGE[self.name]} for {self.name})" if self.name in _LANGUAGE else "")), stacklevel=2)
-        rec: dict[str, Any] = {"calls": [], "inputs": {}}
-        hooks = _hook_inputs(rec, self.net)
+                + (f" ({_LANGUAGE[self.name]} for {self.name})" if self.name in _LANGUAGE else "")), stacklevel=3)
+
+    def _forward(self, rec: dict[str, Any], ids: torch.Tensor, hooks: list[Any]) -> None:
+        """The model on ``ids`` (1, L), its attention calls recorded into ``rec["calls"]``."""
         _state.rec = rec
         switched = self._switch_attention()
         try:
@@ -517,14 +675,6 @@ class RealModel:
                 f"--model {self.name}: {len(calls)} of its {self.info.layers} attention layers ran through "
                 "multihead's attention function; its attention must use transformers' AttentionInterface"
             )
-        known = {id(m): (f, o) for m, f, o in _attention_modules(self.net)}
-        records = []
-        for call in calls:
-            module = call["module"]
-            hidden, pos, memory = rec["inputs"].get(id(module), (None, None, None))
-            records.append(self._record(call, hidden, pos, *known.get(id(module), (None, None)), memory=memory,
-                                        role=self.roles.get(id(module), "self")))
-        return RealRun(self.info, text, tokens, ids[0].tolist(), records, self.net)
 
     def _switch_attention(self) -> Optional[str]:
         """A user's model (:func:`wrap`) runs on the recording attention for the run: the

@@ -39,7 +39,7 @@ from .._progress import progress
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
-from .models import LayerRecord, ModelError, RealRun
+from .models import LayerRecord, LongRun, ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
@@ -248,9 +248,11 @@ def model_summary(real: RealRun, lang: str = "en") -> list[str]:
     return [_fit(line) for line in lines]
 
 
-def _real(args) -> RealRun:
+def _real(args) -> "RealRun | LongRun":
     """The run of ``args.text`` (default :data:`DEFAULT_TEXT`) through ``args.model``, every index
-    option checked against the model and the sentence (UsageError; ImportError as UsageError)."""
+    option checked against the model and the sentence (UsageError; ImportError as UsageError);
+    a :class:`~.models.LongRun` of the ``--token`` row (default the last few) past
+    :data:`~.models.MAX_TOKENS` tokens."""
     text = DEFAULT_TEXT if args.text is None else args.text
     if not text.strip():
         raise UsageError("--text is empty; give a sentence, e.g. --text \"The cat sat on the mat\"")
@@ -258,14 +260,21 @@ def _real(args) -> RealRun:
         model = _models.load(args.model)
     except ImportError as e:
         raise UsageError(str(e)) from None
-    model.tokenize(text)  # a too long text is refused before the forward pass
+    _, ids = model.tokenize(text)  # a too long text is refused before the forward pass
     for flag, value, count, what in (("--layer", args.layer, model.info.layers, "layers"),
                                      ("--head", args.head, model.info.heads, "heads")):
         if value is not None and not 0 <= value < count:
             raise UsageError(f"{flag} {value} is out of range: {model.title} has {what} 0-{count - 1}")
+    token = getattr(args, "token", None)
+    if model.is_long(ids):
+        if getattr(args, "neuron", False):
+            raise UsageError(f"--neuron draws up to {_models.MAX_TOKENS} tokens; this text has {ids.shape[1]}: drop "
+                             "--neuron (--token T then picks the query row shown) or shorten the text")
+        with progress(f"running {model.title} on {ids.shape[1]} tokens"):
+            return model.run_rows(text, None if token is None else [token])
     with progress(f"running {model.title}"):
         real = model.run(text)
-    real.check_indices(token=getattr(args, "token", None))
+    real.check_indices(token=token)
     return real
 
 
@@ -278,6 +287,11 @@ def run(args, stdout) -> int:
         raise UsageError(f"--model writes text, html or png; drop --format {fmt}")
     out = check_out(getattr(args, "out", None))
     real = _real(args)
+    if isinstance(real, LongRun):
+        from .long_input import long_text
+
+        write_output("\n".join(long_text(real, args.layer, args.head, lang)) + "\n", out, stdout)
+        return 0
     if getattr(args, "neuron", False):
         from .neuron import neuron_view, render_text
 
@@ -639,10 +653,19 @@ def run_visual(args, stdout) -> int:
     if args.format == "png" and (args.head is not None or neuron):
         flag = "--neuron" if neuron else "--head"
         raise UsageError(f"--format png draws every head of the layer; drop {flag} (or use --format html)")
-    if getattr(args, "token", None) is not None and not neuron:
+    real = _real(args)
+    if getattr(args, "token", None) is not None and not neuron and not isinstance(real, LongRun):
         raise UsageError("--token without --neuron is the layer walkthrough, which --format text shows; "
                          "drop --format or add --neuron")
-    real = _real(args)
+    if isinstance(real, LongRun):
+        if args.format == "png":
+            raise UsageError(f"--format png draws every cell of (L, L) maps, up to {_models.MAX_TOKENS} tokens; this "
+                             f"text has {len(real.tokens)}: use --format html or text")
+        page = _render_long(real, model=args.model, layer=args.layer, head=args.head, lang=args.lang)
+        write_output(page, out, stdout)
+        if out is not None:
+            print(word("wrote", args.lang, path=out, kib=out.stat().st_size // 1024 + 1), file=stdout)
+        return 0
     with progress(f"drawing {real.info.title}'s {args.format}", total=2) as bar:
         maps, fragments, layer, head = _page_parts(real, model=args.model, layer=args.layer, head=args.head,
                                                    neuron=neuron, token=getattr(args, "token", None), lang=args.lang)
@@ -660,11 +683,11 @@ class ModelPage:
     run: the :class:`~multihead.explain.models.RealRun` shown; page: the whole HTML page (what
     ``multihead explain --model ... --format html`` writes: every layer's q and k for the worked
     score). In Jupyter it displays inline (``_repr_html_``: a lighter page, with the scores, q and k
-    only for the layer it opens at (every layer's weights), in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
+    and exact weights only for the layer it opens at (the others' weights to 1/255), in a sandboxed ``<iframe srcdoc>``, :mod:`.notebook`, so its CSS and
     language switch stay out of the notebook).
     """
 
-    run: RealRun
+    run: "RealRun | LongRun"
     page: str
     options: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -674,7 +697,11 @@ class ModelPage:
 
     @functools.cached_property
     def notebook_page(self) -> str:
-        """The page with the scores, q and k (the worked score's operands) of the opening layer only."""
+        """The page with the scores, q and k (the worked score's operands) and the exact weights
+        of the opening layer only, the other layers' weights one byte each and their masks as
+        bits (:func:`.visual.weights8`); a long text's page as it is (it holds one layer's rows)."""
+        if isinstance(self.run, LongRun):
+            return self.page
         return _render(self.run, light=True, **self.options)
 
     def _repr_html_(self) -> str:
@@ -689,6 +716,18 @@ class ModelPage:
                 f"{len(self.run.tokens)} tokens, a {len(self.page) // 1000:,} kB page; .html(), .run>")
 
 
+def _render_long(real: LongRun, *, model: str, layer: Optional[int], head: Optional[int], lang: str) -> str:
+    """A long text's page: the chosen rows of ``layer`` (default 0) per head, opened at ``head``
+    (default 0), and every layer x head's summary (:mod:`.long_input`)."""
+    from . import visual
+    from .long_input import long_maps, summary_fragment
+
+    real.check_indices(layer=layer, head=head)
+    maps = long_maps(real, _or(layer, 0), model=model, lang=lang)
+    return visual.render_html(None, maps, lang=lang, group="layer", start=0, head=_or(head, 0),
+                              fragments=[summary_fragment(real)])
+
+
 def _render(real: RealRun, *, model: str, layer: Optional[int], head: Optional[int], neuron: bool,
             token: Optional[int], lang: str, light: bool = False) -> str:
     from . import visual
@@ -696,15 +735,21 @@ def _render(real: RealRun, *, model: str, layer: Optional[int], head: Optional[i
     maps, fragments, start, first = _page_parts(real, model=model, layer=layer, head=head, neuron=neuron,
                                                 token=token, lang=lang,
                                                 operand_layers=(lambda s: [s]) if light else (lambda s: None))
-    return visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments)
+    return visual.render_html(None, maps, lang=lang, group="layer", start=start, head=first, fragments=fragments,
+                              exact=[start] if light else None)
 
 
 def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] = None,
                   head: Optional[int] = None, neuron: bool = False, token: Optional[int] = None,
-                  lang: str = "en") -> ModelPage:
+                  lang: str = "en", rows: Optional[list[int]] = None) -> ModelPage:
     """``model`` on ``text``, as the page ``multihead explain --model`` draws: every layer x head,
     the worked score on hover, and with ``neuron=True`` the neuron view of ``layer``/``head``
     (default 0) and ``token`` (default the last) as a section.
+
+    A text past :data:`~.models.MAX_TOKENS` tokens (up to the model's
+    :attr:`~.models.RealModel.max_tokens`) gets the page of :mod:`.long_input`: the query
+    ``rows`` (default the last few) of ``layer`` (default 0), their weights recomputed from the
+    log-sum-exp in O(L) memory, and every head's summary; ``neuron`` is refused there.
 
     ``model``: ``"minilm"``, ``"smollm2"``, a directory transformers loads, or a
     ``(model, tokenizer)`` pair already loaded (e.g. by
@@ -730,7 +775,7 @@ def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
     else:
         raise TypeError(f"model must be a name ({', '.join(_models.MODELS)}), a directory, or a (model, tokenizer) "
                         f"pair, got {type(model).__name__}")
-    loaded.tokenize(text)  # a too long text is refused before the forward pass
+    _, ids = loaded.tokenize(text)  # a too long text is refused before the forward pass
     for name, value, count, what in (("layer", layer, loaded.info.layers, "layers"),
                                      ("head", head, loaded.info.heads, "heads")):
         if value is None:
@@ -739,6 +784,21 @@ def explain_model(model: Any, text: str = DEFAULT_TEXT, *, layer: Optional[int] 
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= value < count:
             raise ValueError(f"{name} {value} is out of range: {loaded.title} has {what} 0-{count - 1}")
+    if loaded.is_long(ids):
+        if neuron:
+            raise ValueError(f"neuron=True draws up to {_models.MAX_TOKENS} tokens; this text has {ids.shape[1]}: "
+                             "pass rows=[...] to choose the query rows shown, or shorten the text")
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
+            raise TypeError(f"token must be an int, got {type(token).__name__}")
+        with progress(f"explaining {loaded.title} on {ids.shape[1]} tokens", total=2) as bar:
+            long = loaded.run_rows(text, rows)
+            bar.update(note="page")
+            page = _render_long(long, model=model, layer=layer, head=head, lang=lang)
+            bar.update()
+        return ModelPage(long, page, dict(model=model, layer=layer, head=head, lang=lang))
+    if rows is not None:
+        raise ValueError(f"rows picks the query rows of a text past {_models.MAX_TOKENS} tokens; this one has "
+                         f"{ids.shape[1]}, whose page shows every row: drop rows")
     options: dict = dict(model=model, layer=layer, head=head, neuron=neuron, token=token, lang=lang)
     with progress(f"explaining {loaded.title}", total=2) as bar:
         real = loaded.run(text)

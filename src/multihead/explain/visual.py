@@ -22,6 +22,7 @@ Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk query/key lengths, D 
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -44,7 +45,8 @@ from .. import steps
 from .i18n import check_name, describe_step, note_text, step_title, trace_sizes, word
 from .visual_svg import axis_sizes, step_kind, step_svg
 
-__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "render_html", "step_kind", "prepare", "write", "run"]
+__all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "weights8", "bits8", "render_html", "step_kind", "prepare",
+           "write", "run"]
 
 
 @dataclass
@@ -256,6 +258,47 @@ def _step_texts(trace: Trace) -> list[dict]:
     ]
 
 
+def _bytes64(values: torch.Tensor) -> str:
+    """Base64 of a 1-D uint8 tensor's bytes."""
+    return base64.b64encode(bytes(values.tolist())).decode("ascii")
+
+
+def weights8(w: torch.Tensor) -> str:
+    """Weights in [0, 1] (any shape) as base64 of one byte each, round(w · 255), in row-major
+    order: what a compact page stores for display (a weight within 1/510 of its value)."""
+    return _bytes64((w.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).flatten())
+
+
+def bits8(keep: torch.Tensor) -> str:
+    """A bool tensor (any shape) as base64 of its bits, eight to a byte, first bit highest."""
+    flat = keep.detach().cpu().flatten().to(torch.uint8)
+    flat = torch.cat([flat, flat.new_zeros(-len(flat) % 8)]).view(-1, 8)
+    return _bytes64((flat * torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)).sum(1).to(torch.uint8))
+
+
+def _map_data(m: HeadMaps, exact: bool) -> dict:
+    """One map's JSON; not ``exact``: its weights as :func:`weights8` and its mask as
+    :func:`bits8` ("w8", "k8", with "shape" (H, Lq, Lk)), which the script unpacks on load."""
+    out = {
+        "title": m.title,
+        "q_tokens": list(m.q_tokens) if m.q_tokens is not None else None,
+        "k_tokens": list(m.k_tokens) if m.k_tokens is not None else None,
+        "head_labels": {k: list(v) for k, v in m.head_labels.items()} if m.head_labels is not None else None,
+        "weights": _floats(m.weights) if exact else None,
+        "scores": _floats(m.scores) if m.scores is not None else None,
+        "keep": m.keep.to(torch.int64).tolist() if m.keep is not None and exact else None,
+        "q": _floats(m.q) if m.q is not None else None,
+        "k": _floats(m.k) if m.k is not None else None,
+        "scale": m.scale,
+        "softcap": m.softcap,
+        "sink": [float(x) for x in m.sink] if m.sink is not None else None,
+    }
+    if not exact:
+        out.update(shape=list(m.weights.shape), w8=weights8(m.weights),
+                   k8=bits8(m.keep) if m.keep is not None else None)
+    return out
+
+
 def page_data(
     trace: Optional[Trace],
     maps: Sequence[HeadMaps],
@@ -264,11 +307,15 @@ def page_data(
     group: str = "batch",
     start: int = 0,
     head: int = 0,
+    exact: Optional[Sequence[int]] = None,
 ) -> dict:
     """Everything the page's script reads, JSON-ready.
 
     group: what the maps are one of, for the selector's label: "batch" (one per batch element)
     or "layer" (one per layer of a model). start / head: the map and the head shown first.
+    exact: the maps whose weights and mask are written as numbers (None: every map); the others'
+    are written compactly (:func:`weights8`, :func:`bits8`), about a tenth of the size, and the
+    page's hover says their weights are stored to 1/255.
     """
     if lang not in _text.LANGS:
         raise ValueError(f"lang must be one of {_text.LANGS}, got {lang!r}")
@@ -291,23 +338,7 @@ def page_data(
         "head": head,
         "config": dict(trace.config) if trace is not None else {},
         "steps": [{**s.to_dict(), "effect": step_kind(s), **t} for s, t in zip(trace.steps if trace else [], texts)],
-        "maps": [
-            {
-                "title": m.title,
-                "q_tokens": list(m.q_tokens) if m.q_tokens is not None else None,
-                "k_tokens": list(m.k_tokens) if m.k_tokens is not None else None,
-                "head_labels": {k: list(v) for k, v in m.head_labels.items()} if m.head_labels is not None else None,
-                "weights": _floats(m.weights),
-                "scores": _floats(m.scores) if m.scores is not None else None,
-                "keep": m.keep.to(torch.int64).tolist() if m.keep is not None else None,
-                "q": _floats(m.q) if m.q is not None else None,
-                "k": _floats(m.k) if m.k is not None else None,
-                "scale": m.scale,
-                "softcap": m.softcap,
-                "sink": [float(x) for x in m.sink] if m.sink is not None else None,
-            }
-            for m in maps
-        ],
+        "maps": [_map_data(m, exact is None or i in exact) for i, m in enumerate(maps)],
     }
 
 
@@ -480,6 +511,7 @@ def render_html(
     head: int = 0,
     fragments: Sequence[Fragment] = (),
     source_note: Optional[dict] = None,
+    exact: Optional[Sequence[int]] = None,
 ) -> str:
     """One self-contained HTML page: the steps of ``source`` (a trace, or the walkthrough the text
     formats print, with its numbers and every check of its list), the heat maps of ``maps`` (when any), a layers x heads grid when ``maps`` are the layers of a model, and the
@@ -489,7 +521,8 @@ def render_html(
     from (a fused call re-run on the reference backend), or None.
 
     ``maps`` are one per batch element (``group="batch"``) or one per layer of a model
-    (``group="layer"``); ``start`` and ``head`` pick what is shown first (see :func:`page_data`).
+    (``group="layer"``); ``start`` and ``head`` pick what is shown first, ``exact`` the maps whose
+    weights are written as numbers, the others compactly (see :func:`page_data`).
     """
     for f in fragments:
         if not isinstance(f, Fragment):
@@ -498,7 +531,7 @@ def render_html(
         raise ValueError(f"fragments must have distinct ids, got {[f.id for f in fragments]}")
     w = as_walkthrough(source) if source is not None else None
     trace = w.trace if w is not None else None
-    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head)
+    data = page_data(trace, maps, lang=lang, group=group, start=start, head=head, exact=exact)
     title = _text.UI[lang]["title"]
     sections = []
     targets = []

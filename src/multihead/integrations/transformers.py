@@ -76,7 +76,7 @@ from ..trace import current as _current_trace
 from .._progress import Progress, progress
 from ..functional import attention, attention_with_weights
 
-__all__ = ["NAME", "register", "attention_forward", "to_mask", "load", "from_gguf"]
+__all__ = ["NAME", "register", "attention_forward", "call_mask", "to_mask", "load", "from_gguf"]
 
 NAME = "multihead"
 
@@ -217,13 +217,7 @@ def attention_forward(
         raise ValueError(
             f"{type(module).__name__}.num_key_value_groups={groups} but q has H={H} heads and k has Hkv={Hkv}"
         )
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(is_causal),
-                   softcap=kwargs.get("softcap"), batch=query.shape[0], heads=H)
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:
-        mask = _masks.sink(sinks) if mask is None else mask & _masks.sink(sinks)
+    mask = call_mask(module, query, key, attention_mask, is_causal, **kwargs)
     dropout_p = float(dropout) if module.training else 0.0
     config = getattr(module, "config", None)
     want_weights = kwargs.get("output_attentions")
@@ -240,6 +234,21 @@ def attention_forward(
     if tr is not None:
         tr.leave()
     return out.transpose(1, 2).contiguous(), weights
+
+
+def call_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor],
+              is_causal: Optional[bool] = None, **kwargs) -> Optional[_masks.Mask]:
+    """The multihead mask :func:`attention_forward` runs a call with: :func:`to_mask` of
+    ``attention_mask`` (``is_causal`` None: ``module.is_causal``, default True), with the call's
+    ``softcap`` and its sinks (``s_aux``) as mask parts. query (B, H, Lq, D), key (B, Hkv, Lk, D)."""
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    mask = to_mask(attention_mask, query.shape[2], key.shape[2], is_causal=bool(is_causal),
+                   softcap=kwargs.get("softcap"), batch=query.shape[0], heads=query.shape[1])
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        mask = _masks.sink(sinks) if mask is None else mask & _masks.sink(sinks)
+    return mask
 
 
 # ---------------------------------------------------------------------------- the front door

@@ -2,6 +2,27 @@
 (function () {
   "use strict";
   var data = JSON.parse(document.getElementById("mh-data").textContent);
+
+  /* A compact map (a lighter page): weights as one byte each (w / 255), the mask as bits. */
+  function unpack(b64, shape, bits) {
+    var s = atob(b64), out = [], n = 0;
+    for (var h = 0; h < shape[0]; h++) {
+      var rows = [];
+      for (var i = 0; i < shape[1]; i++) {
+        var row = new Array(shape[2]);
+        for (var j = 0; j < shape[2]; j++, n++) {
+          row[j] = bits ? (s.charCodeAt(n >> 3) >> (7 - (n & 7))) & 1 : s.charCodeAt(n) / 255;
+        }
+        rows.push(row);
+      }
+      out.push(rows);
+    }
+    return out;
+  }
+  data.maps.forEach(function (m) {
+    if (m.w8) { m.weights = unpack(m.w8, m.shape, false); m.approx = true; }
+    if (m.k8) m.keep = unpack(m.k8, m.shape, true);
+  });
   var root = document.documentElement;
   var state = { batch: data.start, head: data.head, lang: data.lang };
   var tip = document.getElementById("tip");
@@ -250,6 +271,7 @@
       ui("key") + " " + j + (map.k_tokens ? " \u201c" + k + "\u201d" : "") + "\n" +
       ui("short_" + kind) + ": " + v;
     if (cell.classList.contains("blocked")) text += " (" + ui("blocked") + ")";
+    else if (kind === "weights" && map.approx) text += " (" + ui("approx") + ")";
     return text;
   }
 
