@@ -133,26 +133,15 @@ def cpu_features() -> str:
     """The CPU's vector features that matter here, as one line: torch's dispatch level
     (``torch.backends.cpu.get_cpu_capability()``, e.g. "AVX2", "AVX512") and the bfloat16 flags
     of /proc/cpuinfo that are present (amx_bf16, avx512_bf16), or "none"."""
-    flags = _cpuinfo_flags()
+    flags = _native.cpu_flags()
     bf16 = [f for f in _BF16_FLAGS if f in flags]
     return f"{torch.backends.cpu.get_cpu_capability()}; bf16 units: {', '.join(bf16) if bf16 else 'none'}"
-
-
-def _cpuinfo_flags() -> frozenset:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 @functools.lru_cache(maxsize=None)
 def native_bf16() -> bool:
     """Whether this CPU has native bfloat16 matrix units (AMX-BF16 or AVX512-BF16)."""
-    return any(f in _cpuinfo_flags() for f in _BF16_FLAGS) or \
+    return any(f in _native.cpu_flags() for f in _BF16_FLAGS) or \
         torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
 
 
