@@ -74,6 +74,17 @@ if _WORKERS > 1 and torch.get_num_threads() > WORKER_THREADS:
     torch.set_num_threads(WORKER_THREADS)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    """Each test module starts with torch.compile's caches empty. torch's flex_attention compiles
+    internally even when called eagerly, and a guard of an earlier module's call that reads an
+    object since freed makes torch 2.13's recompilation-reason helper raise TypeError ('NoneType'
+    object is not subscriptable) on the next recompile: under xdist, which modules share a worker
+    changes with the suite, and so did whether it struck."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_model():
     """SmolLM2-135M-Instruct as ``multihead.explain.models.load("smollm2")`` gives it (float32,
