@@ -113,10 +113,13 @@ def _page_data(page: str) -> dict:
     return json.loads(m.group(1))
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "modernbert"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "modernbert", "gpt2", "gpt_neox", "qwen2", "phi3", "llama_mqa"])
 def test_why2_the_page_draws_the_mask_of_every_layer_that_blocks(dirs, runs, kind):
-    data = _page_data(explain_model(dirs[kind], SENTENCE).html())
+    data = _page_data(explain_model(dirs[kind], TEXT.get(kind, SENTENCE)).html())
+    assert len(data["maps"]) == len(runs[kind].layers)
     for layer, rec in enumerate(runs[kind].layers):
+        shown = torch.tensor(data["maps"][layer]["weights"], dtype=torch.float64)
+        assert (shown - rec.weights.double()).abs().max() <= _bound(rec), (kind, layer)
         keep = data["maps"][layer]["keep"]
         if bool(rec.keep.all()):
             continue
