@@ -35,7 +35,16 @@ from multihead.explain.real_model import explain_model, layer_trace, layer_walkt
 from tiny_hf import SENTENCE, save_tiny  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
-KINDS = ("mistral", "gemma2", "gpt_oss", "qwen3", "opt", "modernbert", "llama")
+KINDS = ("mistral", "gemma2", "gpt_oss", "qwen3", "opt", "modernbert", "llama",
+         "roberta", "distilbert", "gpt2", "gpt_neox", "qwen2", "phi3", "llama_mqa")
+#: plain bidirectional / plain causal architectures: what matters is the weights, the mask and the layout
+PLAIN = {"roberta": "encoder", "distilbert": "encoder", "gpt2": "decoder", "gpt_neox": "decoder",
+         "qwen2": "decoder", "phi3": "decoder", "llama_mqa": "decoder"}
+#: fused q/k/v projections (or a layout not recorded): the --token walkthrough is refused by name
+FUSED = ("distilbert", "gpt2", "gpt_neox", "phi3")
+#: transformers 5 loads a qwen2 directory's tokenizer as Qwen2Tokenizer (byte-level BPE over the saved
+#: vocabulary), which keeps only the one-character words of tiny_hf.WORDS: 7 tokens made of those
+TEXT = {"qwen2": "a . a a . . a"}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +55,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(dirs):
-    return {kind: models.load(dirs[kind]).run(SENTENCE) for kind in KINDS}
+    return {kind: models.load(dirs[kind]).run(TEXT.get(kind, SENTENCE)) for kind in KINDS}
 
 
 def cli(*argv):
@@ -104,10 +113,13 @@ def _page_data(page: str) -> dict:
     return json.loads(m.group(1))
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "modernbert"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "modernbert", "gpt2", "gpt_neox", "qwen2", "phi3", "llama_mqa"])
 def test_why2_the_page_draws_the_mask_of_every_layer_that_blocks(dirs, runs, kind):
-    data = _page_data(explain_model(dirs[kind], SENTENCE).html())
+    data = _page_data(explain_model(dirs[kind], TEXT.get(kind, SENTENCE)).html())
+    assert len(data["maps"]) == len(runs[kind].layers)
     for layer, rec in enumerate(runs[kind].layers):
+        shown = torch.tensor(data["maps"][layer]["weights"], dtype=torch.float64)
+        assert (shown - rec.weights.double()).abs().max() <= _bound(rec), (kind, layer)
         keep = data["maps"][layer]["keep"]
         if bool(rec.keep.all()):
             continue
@@ -157,7 +169,8 @@ def test_why3_the_neuron_view_gives_the_models_weights(runs, kind):
             assert f"{sink_mass:.3f}" in text
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mistral", "qwen3", "opt", "llama"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mistral", "qwen3", "opt", "llama", "roberta", "qwen2",
+                                  "llama_mqa"])
 def test_why3_every_step_of_the_layer_walkthrough_follows_from_the_one_before(runs, kind):
     run = runs[kind]
     for layer in range(len(run.layers)):
@@ -424,3 +437,84 @@ def test_a_rotary_model_whose_projections_are_fused_says_the_rotation_is_not_sho
     text = render_text(neuron_view(runs["modernbert"], 1, 0, 4))
     assert "rotation itself is not shown" in text and "With RoPE, q = q_proj" not in text
     assert runs["modernbert"].layers[1].q_proj is None
+
+
+# ---------------------------------------------------------------------------- the other architectures of the issue
+@pytest.mark.parametrize("kind", sorted(PLAIN))
+def test_the_weights_equal_eagers_and_the_summary_states_the_mask(dirs, runs, kind):
+    run = runs[kind]
+    eager = transformers.AutoModel.from_pretrained(dirs[kind], attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = eager(input_ids=torch.tensor([run.ids]), output_attentions=True).attentions
+    assert len(want) == len(run.layers) == 2
+    L = len(run.ids)
+    tril = torch.ones(L, L, dtype=torch.bool).tril()
+    for rec, w in zip(run.layers, want):
+        assert (rec.weights - w[0]).abs().max() <= _bound(rec)
+        if PLAIN[kind] == "encoder":
+            assert bool(rec.keep.all()) and rec.attention.mask == "bidirectional"
+        else:
+            assert torch.equal(rec.keep, tril.expand_as(rec.keep)) and rec.attention.mask == "causal"
+        assert rec.attention.scale == pytest.approx(8 ** -0.5) and rec.attention.softcap is None
+        assert rec.attention.sinks is None and not rec.attention.qk_norm
+    summary = model_summary(run)
+    assert summary[0].startswith(PLAIN[kind]), summary
+    text = "\n".join(summary)
+    assert ("rotary position embedding" in text) == (kind in ("gpt_neox", "qwen2", "phi3", "llama_mqa"))
+    kv = {"qwen2": "2 key/value heads", "phi3": "2 key/value heads", "llama_mqa": "1 key/value head of dim 8; kv 0 → q 0-3"}
+    assert kv.get(kind, "each with its own keys and values") in text
+
+
+@pytest.mark.parametrize("kind", FUSED)
+def test_the_token_walkthrough_of_a_fused_layout_is_refused_in_one_line(dirs, kind):
+    rc, out, err = cli("--model", dirs[kind], "--text", SENTENCE, "--layer", "1", "--head", "2", "--token", "3")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "projections were not recorded" in err and "--neuron" in err
+    rc, out, err = cli("--model", dirs[kind], "--text", SENTENCE, "--neuron", "--layer", "1", "--head", "2")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_mqa"])
+def test_the_neuron_view_of_a_grouped_query_rotary_model_holds(runs, kind):
+    run = runs[kind]
+    token = len(run.ids) - 1
+    for layer, rec in enumerate(run.layers):
+        assert (rec.attention.rope, rec.attention.rotary_dim) == ("full", 8)
+        view = neuron_view(run, layer, 3, token)
+        assert (view.weights - rec.weights[3, token].double()).abs().max() <= _bound(rec)
+        kv = 0 if kind == "llama_mqa" else 1     # query head 3 reads key/value head 3 // (H / Hkv)
+        assert torch.equal(view.k, rec.k[kv].double())
+        r = view.rotary
+        half = r.q_before.shape[0] // 2
+        rot = torch.cat([-r.q_before[half:], r.q_before[:half]])
+        exact = r.q_before * r.cos[token] + rot * r.sin[token]
+        bound = 2 * EPS32 * (r.q_before.abs() * r.cos[token].abs() + rot.abs() * r.sin[token].abs()) + 1e-30
+        assert ((view.q - exact).abs() <= bound).all()
+    assert "With RoPE, q = q_proj * cos" in render_text(neuron_view(run, 0, 3, token))
+
+
+def test_a_fused_projection_model_states_its_partial_rotary(dirs, runs):
+    # GPT-NeoX: one query_key_value projection, RoPE on the first 4 of D = 8 dims (rotary_pct 0.5)
+    neox = runs["gpt_neox"]
+    assert [(r.attention.rope, r.attention.rotary_dim) for r in neox.layers] == [("partial", 4)] * 2
+    assert "partial rotary: RoPE turns the first 4 of 8 dims; the other 4 pass unchanged" in model_summary(neox)
+    # independent: q recomputed from the fused projection of the layer's own input, rotated on 4 dims only
+    net = transformers.AutoModel.from_pretrained(dirs["gpt_neox"]).eval()
+    seen = {}
+    net.layers[1].attention.register_forward_pre_hook(
+        lambda m, a, kw: seen.update(x=kw.get("hidden_states", a[0] if a else None)), with_kwargs=True)
+    with torch.no_grad():
+        net(input_ids=torch.tensor([neox.ids]))
+        qkv = net.layers[1].attention.query_key_value(seen["x"][0]).double()
+    q_proj = qkv.view(len(neox.ids), 4, 24)[..., :8].transpose(0, 1)            # (H, L, D)
+    rec = neox.layers[1]
+    cos, sin = rec.cos.double(), rec.sin.double()                               # (L, 4)
+    turned = q_proj[..., :4] * cos + torch.cat([-q_proj[..., 2:4], q_proj[..., :2]], -1) * sin
+    want = torch.cat([turned, q_proj[..., 4:]], -1)
+    assert (want - rec.q.double()).abs().max() <= 64 * EPS32 * (q_proj.abs().max() + 1)
+    # Phi-3: fused qkv_proj, RoPE on every dim (partial_rotary_factor 1)
+    assert [(r.attention.rope, r.attention.rotary_dim) for r in runs["phi3"].layers] == [("full", 8)] * 2
+    assert not any("partial rotary" in line for line in model_summary(runs["phi3"]))
+    # no RoPE: no rotary statement
+    assert all(r.attention.rope is None and r.cos is None for k in ("gpt2", "distilbert", "roberta")
+               for r in runs[k].layers)

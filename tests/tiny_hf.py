@@ -75,6 +75,26 @@ def _build(kind: str):
         return tf.BartModel(tf.BartConfig(vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2,
                                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
                                           decoder_ffn_dim=48, max_position_embeddings=64, init_std=0.2)), False
+    if kind == "roberta":     # BERT's layout, positions offset past the padding index
+        return tf.RobertaModel(tf.RobertaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=48,
+                                                max_position_embeddings=72, initializer_range=0.2,
+                                                pad_token_id=3, bos_token_id=1, eos_token_id=2)), True
+    if kind == "distilbert":  # its own attention module (q_lin/k_lin/v_lin), scale applied to q
+        return tf.DistilBertModel(tf.DistilBertConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
+                                                      max_position_embeddings=64, initializer_range=0.2,
+                                                      pad_token_id=3)), True
+    if kind == "gpt2":        # fused c_attn (Conv1D), learned positions
+        return tf.GPT2Model(tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_inner=48,
+                                          n_positions=64, initializer_range=0.2)), False
+    if kind == "gpt_neox":    # fused query_key_value, partial rotary: 4 of D = 8 dims rotated
+        return tf.GPTNeoXModel(tf.GPTNeoXConfig(**small, rotary_pct=0.5, rotary_emb_base=500)), False
+    if kind == "qwen2":       # bias on q/k/v, grouped-query (2 key/value heads)
+        return tf.Qwen2Model(tf.Qwen2Config(**small, num_key_value_heads=2)), False
+    if kind == "phi3":        # fused qkv_proj, grouped-query (2 key/value heads)
+        return tf.Phi3Model(tf.Phi3Config(**small, num_key_value_heads=2, pad_token_id=3)), False
+    if kind == "llama_mqa":   # multi-query: 4 query heads share 1 key/value head
+        return tf.LlamaModel(tf.LlamaConfig(**small, num_key_value_heads=1, rope_theta=500.0)), False
     if kind == "vit":         # an image model (its directory also holds a tokenizer)
         return tf.ViTModel(tf.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                         intermediate_size=48, image_size=8, patch_size=4)), True
@@ -82,7 +102,8 @@ def _build(kind: str):
 
 
 #: the kinds :func:`save_tiny` builds
-KINDS = ("bert", "llama", "llama_lm", "mistral", "gemma2", "gpt_oss", "qwen3", "opt", "modernbert", "bart", "vit")
+KINDS = ("bert", "llama", "llama_lm", "mistral", "gemma2", "gpt_oss", "qwen3", "opt", "modernbert", "bart", "vit",
+         "roberta", "distilbert", "gpt2", "gpt_neox", "qwen2", "phi3", "llama_mqa")
 
 
 def save_tiny(kind: str, path) -> str:

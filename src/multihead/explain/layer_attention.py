@@ -17,7 +17,9 @@ the attention function, and the keyword arguments transformers gave it) and says
 * the scale: the factor of q·k in the call (``scale``), whether it is 1/√D, and the factor
   the layer folded into q right after its projection (``q_scale``, OPT/BART);
 * the rotary embedding: ``full`` (rotate-half on all D dims), ``partial`` (the first
-  ``rotary_dim`` dims), or None, checked by recomputing the layer's q from its projection.
+  ``rotary_dim`` dims), or None, checked by recomputing the layer's q from its projection (or,
+  where q, k and v come from one fused projection, by the tables' width agreeing with the
+  config's ``partial_rotary_factor``/``rotary_pct``).
 
 The summary (:func:`multihead.explain.real_model.model_summary`), the page, the neuron view and
 the ``--token`` walkthrough all read this; the words are :func:`mask_words` and :func:`lines`.
@@ -112,8 +114,10 @@ def _rope_mode(rec: Any) -> tuple[Optional[str], Optional[torch.Tensor], Optiona
     at the full rotary width: ``("full" | "partial", cos, sin)``, or (None, None, None) when no
     layout reproduces q (or nothing was recorded)."""
     before = rec.q_normed if rec.q_normed is not None else rec.q_proj
-    if rec.cos is None or rec.sin is None or before is None:
+    if rec.cos is None or rec.sin is None:
         return None, None, None
+    if before is None:  # fused q/k/v (GPT-NeoX, Phi-3): the table width and the config must agree
+        return _rope_from_config(rec)
     q = rec.q.double()
     D, w = q.shape[-1], rec.cos.shape[-1]
     candidates = [(rec.cos, rec.sin)]
@@ -128,6 +132,29 @@ def _rope_mode(rec: Any) -> tuple[Optional[str], Optional[torch.Tensor], Optiona
         if float((got - q).abs().max()) <= 8 * eps * float(size):
             return ("full" if cos.shape[-1] == D else "partial"), cos, sin
     return None, None, None
+
+
+def _rotary_factor(config: Any) -> Optional[float]:
+    """The config's fraction of the head dim that RoPE turns (``partial_rotary_factor``,
+    ``rotary_pct``), or None when it names none."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    for name in ("partial_rotary_factor", "rotary_pct"):
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _rope_from_config(rec: Any) -> tuple[Optional[str], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The rotary layout of a layer whose q projection was not recorded: the width r of the tables
+    the layer received, when its config's rotary fraction gives the same r = factor · D."""
+    factor = _rotary_factor(getattr(rec.module, "config", None))
+    D, w = rec.q.shape[-1], rec.cos.shape[-1]
+    if factor is None or w % 2 or w > D or int(D * factor) != w:
+        return None, None, None
+    return ("full" if w == D else "partial"), rec.cos, rec.sin
 
 
 def describe(rec: Any) -> LayerAttention:

@@ -519,14 +519,23 @@ def _split(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _hook_inputs(rec: dict[str, Any], net: Any) -> list[Any]:
-    """Forward pre-hooks that keep each known attention layer's input and position embeddings."""
+    """Forward pre-hooks that keep each known attention layer's input and position embeddings, and
+    the position embeddings of the other attention-like layers (fused projections)."""
 
     def pre(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))   # cross-attention's keys
         rec["inputs"][id(module)] = (hidden, kwargs.get("position_embeddings"), memory)
 
-    return [m.register_forward_pre_hook(pre, with_kwargs=True) for m, _, _ in _attention_modules(net)]
+    def pos_only(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # a layout multihead does not record (fused q/k/v): only the rotary tables it was given
+        rec["inputs"][id(module)] = (None, kwargs.get("position_embeddings"), None)
+
+    known = [m for m, _, _ in _attention_modules(net)]
+    other = [net.get_submodule(n) for n in _attention_like(net)]
+    hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in known]
+    return hooks + [m.register_forward_pre_hook(pos_only, with_kwargs=True) for m in other
+                    if all(m is not k for k in known)]
 
 
 class RealModel:
