@@ -50,6 +50,13 @@ CASES = {
 }
 
 
+UNEVEN = 5  # rank 0's tokens in the uneven case (the ranks gather the ids of shards of different lengths)
+
+
+def uneven_mask(ids):
+    return masks.documents(ids) & masks.causal() & masks.window(2, sinks=2) & masks.alibi(SLOPES)
+
+
 LOGITS = torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64)
 
 
@@ -75,6 +82,12 @@ def _worker(rank: int, store: str, out: str) -> None:
                                                  shard_sequence(ids, rank, P, layout, dim=-1)), layout=layout)
             o.backward(shard_sequence(dout, rank, P, layout))
             res[name] = (o.detach(), qs.grad, ks.grad, vs.grad)
+        q, k, v, dout, keep = tensors("uneven")
+        part = slice(0, UNEVEN) if rank == 0 else slice(UNEVEN, None)  # contiguous shards of 5 and 11 tokens
+        qs, ks, vs = (t[..., part, :].clone().requires_grad_() for t in (q, k, v))
+        o = ring_attention(qs, ks, vs, uneven_mask(IDS[:, part]), layout="contiguous")
+        o.backward(dout[..., part, :])
+        res["uneven"] = (o.detach(), qs.grad, ks.grad, vs.grad)
         q, k, v, dout, keep = tensors("sink")
         qs, ks, vs = (shard_sequence(t, rank, P, "zigzag").requires_grad_() for t in (q, k, v))
         logits = LOGITS.clone().requires_grad_()
@@ -114,6 +127,15 @@ def test_ring_carries_the_kind_and_equals_one_process(ranks, name):
     for i, ref in enumerate((want.detach(), q.grad, k.grad, v.grad)):
         torch.testing.assert_close(unshard_sequence([ranks[r][name][i] for r in range(P)], layout), ref,
                                    rtol=0, atol=F64)
+
+
+def test_uneven_contiguous_shards_gather_the_ids_and_equal_one_process(ranks):
+    q, k, v, dout, _ = tensors("uneven")
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    want = mh.attention(q, k, v, uneven_mask(IDS))
+    want.backward(dout)
+    for i, ref in enumerate((want.detach(), q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(torch.cat([ranks[r]["uneven"][i] for r in range(P)], -2), ref, rtol=0, atol=F64)
 
 
 def test_sink_logits_travel_once_per_row_with_their_gradient(ranks):
