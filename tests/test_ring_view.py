@@ -137,6 +137,7 @@ def test_the_ring_forward_attends_exactly_the_plans_pairs_and_matches_float64(ca
         shard_mask = masks.documents(ids[pos[r]][None]) if ids is not None else part
         has_causal, kp, sid, kinds = D._split_mask(shard_mask, (B, H, L // P, L // P), q.device)
         spec = D._Spec(_SimulatedRing(r, P, blocks), causal or has_causal, view.layout, Dh ** -0.5, sid, kinds)
+        spec.place(B, H, L // P, q.device)  # the whole sequence's window rows (no documents: nothing gathered)
         calls.clear()
         outs.append(D._RingAttention.apply(q[..., pos[r], :], k[..., pos[r], :], v[..., pos[r], :], kp, spec))
         want = [((qg, kg), qn, kn, diag) for s in range(P) for (_, qg, qn), (_, kg, kn), diag in view.plan[s][r]]
@@ -155,7 +156,7 @@ def test_ring_plan_refuses_what_the_ring_refuses():
     with pytest.raises(ValueError, match="multiple of 6"):
         ring_plan(3, 8, causal=True)
     with pytest.raises(ValueError, match="ulysses"):
-        ring_plan(2, 8, mask=masks.from_seqlens([4, 4]) & masks.window(2))
+        ring_plan(2, 8, mask=masks.from_seqlens([4, 4]) & masks.bias(torch.zeros(8, 8)))
 
 
 def _cli(*argv):

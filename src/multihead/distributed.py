@@ -58,6 +58,7 @@ from ._checks import check_qkv, check_scale
 from ._numerics import compute_dtype, default_scale
 from .backends import _tiles
 from .backends import chunked as _chunked
+from .backends import flex as _flex
 
 __all__ = [
     "LAYOUTS",
@@ -344,13 +345,21 @@ class _Ring:
 
     def all_gather(self, values: list[int], *, what: str) -> list[list[int]]:
         """Every rank's ``values`` (equal-length int lists; list index = group rank), one collective."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self.collective_device)
+        mine = torch.tensor(values, dtype=torch.int64)
+        return torch.stack(self.gather(mine, what=what)).tolist()
+
+    def gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (one shape and dtype on every rank; list index = group rank), on
+        the collective device, in one all_gather."""
+        mine = tensor.to(self.collective_device).contiguous()
+        if self.size == 1:
+            return [mine]
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
         try:
             work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
         except RuntimeError as e:
             raise self.error(what, None, e) from e
-        return torch.stack(_Pending(self, [work], [mine], gathered, what, None).wait()).tolist()
+        return _Pending(self, [work], [mine], gathered, what, None).wait()
 
     def shift(self, tensors, *, tag: int, what: str, step: int, length: Optional[int] = None) -> _Pending:
         """Send ``tensors`` to the next rank and receive same-shaped ones from the previous, asynchronously;
@@ -576,76 +585,95 @@ def _pieces(q_segs, k_segs, causal, q, k, v, keep, q_ids=None, k_ids=None):
         )
 
 
-def _at_offsets(part: _masks.Mask, qg: int, kg: int) -> _masks.Mask:
-    """A position-dependent part (window, chunked_local, alibi) of a whole-sequence self-attention
-    mask, for one block pair whose queries start at global position ``qg`` and keys at ``kg``:
-    the same rule written on global positions (query q_idx + qg, key kv_idx + kg)."""
-    if isinstance(part, _masks.Window):
-        left, right, sinks = part.left, part.right, part.sinks
+class _Placed:
+    """The position-dependent parts (window, chunked_local, alibi) of the whole sequence's mask:
+    the rule is `Mask.row_intervals` / `Mask.row_diagonals` of the whole sequence (per document
+    with documents), computed once per call, each (B|1, L) int64 in global positions (O(L) ints
+    per rank); a block pair slices its global query rows and moves the keys to its segment's
+    start, the tile kernel's local coordinates."""
 
-        def window_at(b, h, q_idx, kv_idx):
-            d = (kv_idx + kg) - (q_idx + qg)
-            near = (d <= right) if right is not None else torch.ones_like(d, dtype=torch.bool)
-            inside = near & (d >= -left) if left is not None else near
-            return inside | ((kv_idx + kg < sinks) & near) if sinks else inside
-        return _masks.mask_mod(window_at)
-    if isinstance(part, _masks.ChunkedLocal):
-        chunk = part.chunk
+    def __init__(self, intervals: Optional[list[tuple[torch.Tensor, torch.Tensor]]],
+                 diagonals: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        #: (lo, hi) per interval of the selecting parts, or None without window / chunked_local
+        self.intervals: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = intervals
+        #: (slopes (H,), diagonal keys) per ALiBi part
+        self.diagonals: list[tuple[torch.Tensor, torch.Tensor]] = diagonals
 
-        def chunk_at(b, h, q_idx, kv_idx):
-            return (kv_idx + kg) // chunk == (q_idx + qg) // chunk
-        return _masks.mask_mod(chunk_at)
-    assert isinstance(part, _masks.ALiBi)
-    slopes = part.slopes
+    def at(self, qg: int, qn: int, kg: int, dtype: torch.dtype) -> tuple[Optional[_masks.Mask], list[_masks.Mask]]:
+        """(the selecting mask_mod or None, the ALiBi score mods in the scores' ``dtype``) of the
+        block pair whose ``qn`` queries start at global position ``qg`` and keys at ``kg``."""
+        rows = slice(qg, qg + qn)
+        select = None
+        if self.intervals is not None:
+            select = _masks.mask_mod(_flex._intervals_mod([(lo[:, rows] - kg, hi[:, rows] - kg)
+                                                           for lo, hi in self.intervals]))
+        adds = [_masks.score_mod(_flex._alibi(slopes.to(dtype), d[:, rows] - kg), tensors=(slopes,))
+                for slopes, d in self.diagonals]
+        return select, adds
 
-    def alibi_at(score, b, h, q_idx, kv_idx):
-        dist_ = ((kv_idx + kg) - (q_idx + qg)).abs().to(score.dtype)
-        return score - slopes.to(score.dtype)[h] * dist_
-    return _masks.score_mod(alibi_at, tensors=(slopes,))
+
+def _place(kinds, ids: Optional[torch.Tensor], shape, device: torch.device) -> Optional[_Placed]:
+    """`_Placed` of a self-attention sequence of ``shape`` = (B, H, L, L) whose document ids
+    (B|1, L) are ``ids`` (None: one document), with its tensors on ``device``; None without a
+    window, chunked_local or alibi part among ``kinds``."""
+    placed = [p for p in kinds if isinstance(p, (_masks.Window, _masks.ChunkedLocal, _masks.ALiBi))]
+    if not placed:
+        return None
+    whole: _masks.Mask = _masks.documents(ids) if ids is not None else placed[0]
+    for p in placed[0 if ids is not None else 1:]:
+        whole = whole & p
+    intervals = None
+    if any(p.is_structural for p in placed):
+        got = whole.row_intervals(shape)
+        assert got is not None
+        intervals = [(lo.to(device), hi.to(device)) for lo, hi in got]
+    diagonals = [(p.slopes, whole.row_diagonals(shape, p.align).to(device)) for p in placed if isinstance(p, _masks.ALiBi)]
+    return _Placed(intervals, diagonals)
 
 
-def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None, kinds=(), at=(0, 0)) -> _tiles.Tiles:
+def _block_tiles(q, k, v, keep, diagonal: bool, scale: float, ids=None, kinds=(),
+                 placed: Optional[_Placed] = None, at=(0, 0)) -> _tiles.Tiles:
     """The tile kernel's problem for q (B, H, n, D) against one key segment k (B, Hkv, m, D),
     v (B, Hkv, m, Dv), with key padding ``keep`` (B, m) or None, document ids ``(q ids (B|1, n),
     k ids (B|1, m))`` or None, causal when ``diagonal`` (the segments hold the same positions,
-    so causal per document is causal by position there)."""
+    so causal per document is causal by position there), the softcap parts of ``kinds``, and
+    the window, chunked_local and ALiBi of ``placed`` at the pair's global query and key starts
+    ``at`` (ALiBi adds before the softcap modifies, as in ``multihead.attention``)."""
     mask = None if keep is None else _masks.key_padding(keep)
     if ids is not None:
         docs = _masks.documents(ids[0], ids[1])
         mask = docs if mask is None else docs & mask
     if diagonal:
         mask = _masks.causal() if mask is None else _masks.causal() & mask
-    mods = []
-    for part in kinds:  # the position-dependent and score-mod parts, in the mask's written order
-        placed = part if isinstance(part, _masks.Softcap) else _at_offsets(part, *at)
-        if placed.score_mods:
-            mods.append(placed)
-        else:
-            mask = placed if mask is None else mask & placed
+    select, adds = (None, []) if placed is None else placed.at(at[0], q.shape[2], at[1], compute_dtype(q.dtype))
+    if select is not None:
+        mask = select if mask is None else mask & select
+    mods = list(adds) + [part for part in kinds if isinstance(part, _masks.Softcap)]
     groups = q.shape[1] // k.shape[1]
     return _tiles.Tiles(q, k, v, mask, (), mods, scale=scale, block_q=_chunked.default_block_q(groups),
                         block_k=_chunked.BLOCK_K, mask_shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
 
 
-def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None, kinds=(), at=(0, 0)):
+def _attend_block(q, k, v, keep, diagonal, scale, out, lse, ids=None, kinds=(), placed=None, at=(0, 0)):
     """Merge attention of q to one key segment into the running ``out`` and ``lse``, in place.
 
     q (B, H, n, D), k (B, Hkv, m, D), v (B, Hkv, m, Dv) as the caller has them; out
     (B, H, n, Dv) and lse (B, H, n) in the compute dtype accumulate over segments (lse = -inf:
     no visible key yet).
     """
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, at)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, placed, at)
     block_out, block_lse = tiles.forward()
     merged_out, merged_lse = _tiles.merge([out, tiles.ungroup_rows(block_out)], [lse, tiles.ungroup_lse(block_lse)])
     out.copy_(merged_out)
     lse.copy_(merged_lse)
 
 
-def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None, kinds=(), at=(0, 0)):
+def _attend_block_backward(q, k, v, keep, diagonal, scale, out, lse, dout, dq, dk, dv, ids=None, kinds=(),
+                           placed=None, at=(0, 0)):
     """Add this key segment's share of the gradients into dq (B, H, n, D) (local) and dk
     (B, Hkv, m, D), dv (B, Hkv, m, Dv) (the segment's), in place; out, lse, dout are the
     whole sequence's (compute dtype), so p = exp(s - lse) are the final softmax weights."""
-    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, at)
+    tiles = _block_tiles(q, k, v, keep, diagonal, scale, ids, kinds, placed, at)
     dqs, dks, dvs, _, _ = tiles.backward(tiles.group_rows(out), tiles.group_lse(lse), tiles.group_rows(dout), None)
     dq += tiles.ungroup_rows(dqs)
     dk += dks.view(dk.shape)
@@ -660,10 +688,27 @@ class _Spec:
         self.ring, self.causal, self.layout, self.scale = ring, causal, layout, scale
         #: this rank's (B|1, L/P) document ids (masks.documents), or None; they travel with the keys
         self.ids = ids
-        #: window, chunked_local, alibi and softcap parts, placed at each block pair's global positions
+        #: window, chunked_local, alibi and softcap parts (the first three placed by :attr:`placed`)
         self.kinds = kinds
         #: every rank's key/value shard length (from the agreement table), or None: all equal
         self.lengths: Optional[list[int]] = None
+        #: window, chunked_local and alibi of the whole sequence (`_place`), or None
+        self.placed: Optional[_Placed] = None
+
+    def place(self, B: int, H: int, Lq: int, device: torch.device) -> None:
+        """Compute :attr:`placed` once per call, after the ranks agree (the same kinds on every
+        rank): with documents, the whole sequence's ids are gathered from every rank's shard."""
+        lengths = self.lengths or [Lq] * self.ring.size
+        ids = None
+        if self.ids is not None and any(isinstance(p, (_masks.Window, _masks.ChunkedLocal, _masks.ALiBi))
+                                        for p in self.kinds):
+            mine = self.ids.expand(B, -1)
+            padded = torch.nn.functional.pad(mine, (0, max(lengths) - mine.shape[-1]), value=-1)  # uneven shards
+            shards = self.ring.gather(padded, what="gathering the document ids")
+            ids = unshard_sequence([t[:, :n].to(self.ids.device) for t, n in zip(shards, lengths)], self.layout,
+                                   dim=-1)
+        L = sum(lengths)
+        self.placed = _place(self.kinds, ids, (B, H, L, L), device)
 
     def length(self, owner: int, local_len: int) -> Optional[int]:
         """Tokens of rank ``owner``'s key/value block, None when every block has ``local_len``."""
@@ -753,7 +798,8 @@ class _RingAttention(torch.autograd.Function):
             kp, kids = _unblock(block, keep is not None, spec.ids is not None)
             for qsl, qb, kb, vb, kps, diagonal, _, ids, at in _pieces(q_segs, spec.segments(owner, block[0].shape[2]), spec.causal,
                                                                       q, block[0], block[1], kp, spec.ids, kids):
-                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids, spec.kinds, at)
+                _attend_block(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl], ids, spec.kinds,
+                              spec.placed, at)
             if pending is not None:
                 block = pending.wait()
         if sink is not None:  # the sink's exp(logit_h) joins each row's denominator once, after every block
@@ -794,7 +840,7 @@ class _RingAttention(torch.autograd.Function):
                                                                         q, block[0], block[1], kp, spec.ids, kids):
                 _attend_block_backward(qb, kb, vb, kps, diagonal, spec.scale, out[..., qsl, :], lse[..., qsl],
                                        dout[..., qsl, :], dq[..., qsl, :], dk[..., ksl, :], dv[..., ksl, :], ids,
-                                       spec.kinds, at)
+                                       spec.kinds, spec.placed, at)
             if pending_grad is not None:
                 dk_in, dv_in = pending_grad.wait()
                 dk, dv = dk + dk_in, dv + dv_in
@@ -848,10 +894,11 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
                 "every mask kind (sink logits, score and mask mods, ...)"
             )
     placed = [p for p in kinds if not isinstance(p, (_masks.Softcap, _masks.Sink))]
-    if placed and (ids is not None or shape[2] != shape[3]):
+    if placed and shape[2] != shape[3]:
         raise ValueError(
-            f"ring_attention places {placed[0]!r} by global positions, for self-attention of one sequence "
-            "(q and k cut alike) without documents; for windows or ALiBi inside packed documents use "
+            f"ring_attention places {placed[0]!r} at the whole sequence's positions (per document with "
+            f"documents), for self-attention of one sequence: q and k cut alike, got Lq={shape[2]} and "
+            f"Lk={shape[3]} on this rank; shard q, k and v with the same shard_sequence call, or use "
             "multihead.ulysses.ulysses_attention")
     return causal, keep, ids, tuple(kinds)
 
@@ -943,10 +990,13 @@ def ring_attention(
             with ids (B|1, L/P) this rank's shard of packed documents' ids (they travel with the
             keys too; only tiles within a document are computed), optionally ``& masks.causal()``
             (per document); sink logits (``masks.sink``, added to each row's denominator once,
-            after the ring; each rank's logits gradient is its rows' share); without documents
-            also window (with sinks), chunked_local, alibi ((H,) slopes) and softcap, applied at
-            each block pair's global positions. Other
-            masks raise ValueError (``multihead.ulysses.ulysses_attention`` takes every kind).
+            after the ring; each rank's logits gradient is its rows' share); and window (with
+            sinks), chunked_local, alibi ((H,) slopes) and softcap, with or without documents:
+            every rank computes the whole sequence's row intervals and diagonals once
+            (``Mask.row_intervals``, ``Mask.row_diagonals``; per document with documents, whose
+            ids the ranks then gather, O(L) ints), and each block pair reads them at its global
+            rows and key offset. Other masks raise ValueError
+            (``multihead.ulysses.ulysses_attention`` takes every kind).
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         group: the process group whose ranks hold the shards (default: the whole world), in
@@ -991,6 +1041,7 @@ def ring_attention(
     _agree_on(spec.ring, "mask kinds and parameters", mask_signature(_masks.as_mask(mask)),
               "pass the same mask on every rank (only the key padding and document ids are per-rank shards)",
               head="ring_attention")
+    spec.place(q.shape[0], q.shape[1], q.shape[2], q.device)
     return _RingAttention.apply(q, k, v, keep, spec, sink)
 
 
