@@ -14,8 +14,8 @@ import traceback
 
 import pytest
 import torch
+from spawned import spawn_ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from multihead import masks
 from multihead.distributed import DocumentLayout, ring_attention, shard_sequence, unshard_sequence
@@ -80,12 +80,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp_precision")
-    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=P, join=True)
-    got = [torch.load(f"{tmp / 'out'}.{r}") for r in range(P)]
-    for r in range(P):
-        assert "error" not in got[r], got[r]["error"]
-    return got
+    return spawn_ranks(_worker, P, tmp_path_factory.mktemp("cp_precision"))
 
 
 def oracle(name: str, dtype: torch.dtype) -> Oracle:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import traceback
 
 import torch
+from spawned import spawn_ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import multihead as mh
 from multihead import masks
@@ -58,10 +58,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_hybrid_equals_one_process_and_disagreements_raise_everywhere(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=P, join=True)
-    got = [torch.load(f"{tmp_path / 'out'}.{r}") for r in range(P)]
-    for r in range(P):
-        assert "error" not in got[r], got[r]["error"]
+    got = spawn_ranks(_worker, P, tmp_path)
     q, k, v, dout, keep = tensors()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     want = mh.attention(q, k, v, build(keep))

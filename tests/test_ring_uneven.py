@@ -10,8 +10,8 @@ import traceback
 
 import pytest
 import torch
+from spawned import spawn_ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import multihead as mh
 from multihead import masks
@@ -70,12 +70,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ring_uneven")
-    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=P, join=True)
-    got = [torch.load(f"{tmp / 'out'}.{r}") for r in range(P)]
-    for r in range(P):
-        assert "error" not in got[r], got[r]["error"]
-    return got
+    return spawn_ranks(_worker, P, tmp_path_factory.mktemp("ring_uneven"))
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -12,8 +12,8 @@ import traceback
 
 import pytest
 import torch
+from spawned import spawn_ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import multihead as mh
 from multihead import masks
@@ -89,11 +89,7 @@ def _worker(rank: int, store_path: str, out_path: str, mode: str) -> None:
 
 
 def _run(tmp_path, mode):
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "out"), mode), nprocs=P, join=True)
-    got = [torch.load(f"{tmp_path / 'out'}.{r}") for r in range(P)]
-    for r, res in enumerate(got):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
-    return got
+    return spawn_ranks(_worker, P, tmp_path, mode)
 
 
 @pytest.fixture(scope="module")

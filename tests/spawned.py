@@ -1,0 +1,23 @@
+"""One launcher for the tests that run gloo process groups on this machine.
+
+``spawn_ranks(worker, P, folder)`` runs ``worker(rank, store, out, *args)`` in P processes that meet
+through a FileStore in ``folder`` (no port, so parallel test workers cannot collide); each rank
+saves a dict of its results to ``f"{out}.{rank}"``, with the traceback under "error" when it failed.
+The parent loads them and fails naming the rank and its traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(worker, nprocs: int, folder: Path, *args) -> list[dict]:
+    """Every rank's result dict, in rank order; AssertionError with a rank's traceback if it failed."""
+    mp.spawn(worker, args=(str(folder / "store"), str(folder / "out"), *args), nprocs=nprocs, join=True)
+    got = [torch.load(f"{folder / 'out'}.{r}") for r in range(nprocs)]
+    for r, res in enumerate(got):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    return got
