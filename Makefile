@@ -58,7 +58,7 @@ weights: $(VENV)/.weights
 demo: $(VENV)/.core
 	$(VENV)/bin/multihead explain
 
-# tests/test_browser.py drives Debian's chromium with Playwright (no browser download); it skips,
+# tests/explain/test_browser.py drives Debian's chromium with Playwright (no browser download); it skips,
 # saying why, only when chromium cannot be installed here. .ci/browser.sh installs only what is
 # missing, without recommends, and upgrades no installed package (it says why when it cannot).
 browser:
@@ -119,8 +119,8 @@ kernels: $(VENV)/.test
 # torch tiles, the native kernel's oracle (tests of tiles/chunked/native run both in one pass).
 # The ring's files stay in the main run only (the native kernel under the ring is held to the
 # float64 single process there); here the numerics-marked tests, with the ISA passes' Hypothesis profile.
-TILES_TESTS := tests/test_properties.py tests/test_contexts.py tests/test_numerics.py tests/test_lse.py \
-	tests/test_functional.py
+TILES_TESTS := tests/functional/test_properties.py tests/api/test_contexts.py tests/core/test_numerics.py tests/functional/test_lse.py \
+	tests/functional/test_functional.py
 test-tiles: $(VENV)/.test
 	MULTIHEAD_NATIVE=0 $(PYTEST) -m numerics --hypothesis-profile=isa $(TILES_TESTS) --junitxml=$(REPORTS)/tiles.xml
 
@@ -129,12 +129,12 @@ sanitize: $(VENV)/.test
 	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m multihead.backends.native
 	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m pytest -q -p no:cacheprovider tests/test_native.py
+		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m pytest -q -p no:cacheprovider tests/backends/test_native.py
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
-# On a CUDA machine: tests/test_devices.py on the CPU and CUDA, then a short benchmark and its
+# On a CUDA machine: tests/api/test_devices.py on the CPU and CUDA, then a short benchmark and its
 # ratio table (benchmarks/gpu.py; under 5 minutes on an H100/H200). GPU_ARGS=--no-tests: the benchmark only.
 gpu-check: $(VENV)/.test
 	$(PY) -m benchmarks.gpu $(GPU_ARGS)

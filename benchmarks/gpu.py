@@ -1,6 +1,6 @@
 """``python -m benchmarks.gpu`` (``make gpu-check``): the GPU check, in one command.
 
-1. Runs ``tests/test_devices.py`` in a subprocess: the tests that compare numbers with the float64
+1. Runs ``tests/api/test_devices.py`` in a subprocess: the tests that compare numbers with the float64
    oracle, on the CPU and, when ``torch.cuda.is_available()``, on CUDA (every backend, the module,
    cached decoding, autocast, ``torch.compile``).
 2. Measures, on ``--device`` (default ``cuda``), candidates against baselines side by side:
@@ -93,7 +93,7 @@ class Plan:
 
 FULL = Plan(8, (1024, 4096), 1024, 16, (True, False), 512, 8, 256, (8192, 16384), 8, 64, rounds=3, min_run_s=0.4)
 QUICK = Plan(2, (128, 256), 256, 4, (True,), 512, 8, 256, (512, 1024), 8, 64, rounds=2, min_run_s=0.2)
-#: for tests/test_devices.py::test_gpu_check_plumbing: every row, in well under a second each
+#: for tests/api/test_devices.py::test_gpu_check_plumbing: every row, in well under a second each
 TINY = Plan(1, (16,), 32, 2, (True,), 32, 2, 8, (64,), 2, 8, rounds=1, min_run_s=0.001)
 
 
@@ -228,22 +228,22 @@ def device_name(device: str) -> str:
 
 
 def run_tests() -> bool:
-    """tests/test_devices.py in a subprocess on this checkout's src; True when it passes."""
+    """tests/api/test_devices.py in a subprocess on this checkout's src; True when it passes."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SRC), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_devices.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "api" / "test_devices.py")]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode == 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=(
-        "The GPU check: tests/test_devices.py on every device here, then a short benchmark of the module, "
+        "The GPU check: tests/api/test_devices.py on every device here, then a short benchmark of the module, "
         "a decode step and the chunked backend against hand-written ops and SDPA, with a ratio table."))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="where the benchmark runs (default cuda; cpu: a plumbing run, with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes and two short rounds: checks the plumbing")
-    p.add_argument("--no-tests", action="store_true", help="skip tests/test_devices.py, run the benchmark only")
+    p.add_argument("--no-tests", action="store_true", help="skip tests/api/test_devices.py, run the benchmark only")
     return p
 
 
@@ -259,7 +259,7 @@ def main(argv=None, *, plan: Optional[Plan] = None) -> int:
     passed = None
     if not args.no_tests:
         devices = "cpu and cuda" if torch.cuda.is_available() else "cpu only (no CUDA device)"
-        print(f"tests/test_devices.py on {devices} ...", flush=True)
+        print(f"tests/api/test_devices.py on {devices} ...", flush=True)
         passed = run_tests()
     print(f"benchmark on {args.device} ...", flush=True)
     rows = module_rows(args.device, plan) + decode_rows(args.device, plan) + chunked_rows(args.device, plan)
@@ -273,7 +273,7 @@ def main(argv=None, *, plan: Optional[Plan] = None) -> int:
     print(h.md_table(HEADER, [r.cells() for r in rows]))
     print()
     tests = {None: "not run (--no-tests)", True: "passed", False: "FAILED"}[passed]
-    print(f"tests/test_devices.py: {tests}; took {time.time() - t0:.0f} s")
+    print(f"tests/api/test_devices.py: {tests}; took {time.time() - t0:.0f} s")
     if bad:
         print(f"no time measured for: {bad}")
     return 1 if passed is False or bad else 0

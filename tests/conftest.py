@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ settings.load_profile("default")
 
 # The flex backend compiles a kernel per new graph (5-40 s each on the CPU); across the suites that
 # run every backend it would take many minutes. There it runs torch's unfused FlexAttention (the same
-# translation of the masks, not compiled); tests/test_flex.py runs the compiled path itself.
+# translation of the masks, not compiled); tests/backends/test_flex.py runs the compiled path itself.
 from multihead.backends import flex as _flex  # noqa: E402
 
 _flex.COMPILE = False
@@ -99,36 +100,39 @@ def smollm2_model():
         pytest.skip(str(e))
 
 
+#: This folder: the tables below name test files by their path relative to it ("api/test_contexts.py").
+TESTS = Path(__file__).resolve().parent
+
 #: test files each of whose tests belongs to a slow family
 FAMILY_OF_FILE = {
-    "test_distributed.py": "multiprocess",
-    "test_ring_agreement.py": "multiprocess",
-    "test_browser.py": "browser",
-    "test_notebook.py": "notebook",
+    "distributed/test_distributed.py": "multiprocess",
+    "distributed/test_ring_agreement.py": "multiprocess",
+    "explain/test_browser.py": "browser",
+    "explain/test_notebook.py": "notebook",
 }
 #: The ``numerics`` tests, what `make test`'s ISA passes rerun: those whose verdict can move with
-#: the CPU's kernels (SIMD width, oneDNN and MKL code paths), by test file: None for every test of
+#: the CPU's kernels (SIMD width, oneDNN and MKL code paths), by test file (its path under tests/): None for every test of
 #: the file, else the test functions. They compare a float32/bf16/fp16 result with the float64
 #: oracle, the reference backend, SDPA, nn.MultiheadAttention or transformers' eager under a
 #: derived tolerance, take a branch on such a value, or hold a result bit-identical across thread
 #: counts. Left to the main run: float64 gradchecks, exact codec round trips, dispatch, refusals,
 #: thread and memory bookkeeping. A new test joins with ``@pytest.mark.numerics``;
-#: tests/test_testinfra.py checks that each name here is a test of its file.
+#: tests/project/test_testinfra.py checks that each name here is a test of its file.
 NUMERICS = {
-    "test_numerics.py": None,
-    "test_tiles.py": None,
-    "test_properties.py": {
+    "core/test_numerics.py": None,
+    "backends/test_tiles.py": None,
+    "functional/test_properties.py": {
         "test_every_backend_matches_float64_oracle", "test_module_and_its_paths_match_float64_oracle",
         "test_module_weights_match_float64_oracle", "test_attention_weights_match_float64_oracle",
         "test_from_torch_matches_nn_multihead_attention",
     },
-    "test_functional.py": {
+    "functional/test_functional.py": {
         "test_every_backend_matches_float64_oracle", "test_low_precision_error_within_twice_naive",
         "test_attention_weights_match_oracle_and_rows_sum_to_one", "test_sdpa_backend_matches_torch_sdpa",
         "test_fully_masked_rows_give_zero_output_and_finite_grads", "test_fully_masked_by_minus_inf_bias_gives_zero",
         "test_empty_sequences_give_defined_results", "test_bottom_right_with_more_queries_than_keys_leaves_first_rows_empty",
     },
-    "test_chunked.py": {
+    "backends/test_chunked.py": {
         "test_float32_error_within_twice_the_reference_backend", "test_matches_float64_oracle_with_small_tiles",
         "test_half_types_are_accumulated_in_float32", "test_gradients_match_reference_backend_at_larger_size",
         "test_chunked_forward_and_backward_under_cpu_autocast_bf16", "test_module_with_chunked_backend_trains_under_cpu_autocast",
@@ -139,12 +143,12 @@ NUMERICS = {
         "test_scores_are_kept_in_base_2_exactly_where_no_score_mod_reads_them",
         "test_chunked_is_bit_identical_from_run_to_run_at_every_thread_count",
     },
-    "test_contexts.py": {
+    "api/test_contexts.py": {
         "test_attention_in_every_context_matches_float64_oracle", "test_module_in_every_context_matches_float64_oracle",
         "test_cached_decoding_in_every_context_matches_float64_oracle", "test_compiled_module_with_inductor_matches_float64_oracle",
         "test_exported_module_matches_float64_oracle",
     },
-    "test_hf.py": {
+    "integrations/test_hf.py": {
         "test_whole_model_on_multihead_matches_eager", "test_every_attention_op_of_the_model_meets_the_oracle_rule",
         "test_output_attentions_equal_eager", "test_sentence_embeddings_match_eager",
         "test_llama_model_on_multihead_matches_eager_with_and_without_padding",
@@ -158,6 +162,14 @@ NUMERICS = {
 #: same float32 paths.
 NUMERICS_CONTEXTS = {"grad", "no_grad", "autocast_bf16", "threads_3"}
 REAL_MODELS = ("smollm2", "minilm")
+
+
+def _relative(item: pytest.Item) -> str:
+    """The item's file as the tables name it: its path under tests/, with forward slashes."""
+    try:
+        return item.path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:  # a test file outside tests/ (pytest given another folder)
+        return item.path.name
 
 
 def _source(item: pytest.Item) -> str:
@@ -174,7 +186,7 @@ def _numerics(item: pytest.Item, file: str) -> bool:
     if names is not None and getattr(item, "originalname", item.name) not in names:
         return False
     context = getattr(getattr(item, "callspec", None), "params", {}).get("context")
-    return not isinstance(context, str) or file != "test_contexts.py" or context in NUMERICS_CONTEXTS
+    return not isinstance(context, str) or file != "api/test_contexts.py" or context in NUMERICS_CONTEXTS
 
 
 def _module_fixtures(item: pytest.Item) -> list[str]:
@@ -195,7 +207,7 @@ def _module_fixtures(item: pytest.Item) -> list[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouping = config.pluginmanager.hasplugin("xdist")
     for item in items:
-        file = item.path.name
+        file = _relative(item)
         source = _source(item)
         # the test's name with its parameters, and the fixtures it asks for
         named = " ".join([item.nodeid, str(getattr(getattr(item, "callspec", None), "params", "")),

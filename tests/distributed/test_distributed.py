@@ -32,7 +32,7 @@ from multihead.distributed import (
     unshard_sequence,
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # name: (B, H, Hkv, L per rank, D, Dv, causal, layout, padding, dtype, via the causal mask object)
 CASES = {

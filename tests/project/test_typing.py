@@ -11,7 +11,7 @@ import pytest
 
 api = pytest.importorskip("mypy.api")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GOOD = """\
 import torch

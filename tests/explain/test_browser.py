@@ -23,7 +23,7 @@ from multihead.cli import parse_options
 from multihead.explain import visual
 from multihead.explain import walkthrough
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -162,7 +162,8 @@ def _worker(rank: int, world: int, rendezvous: str, outdir: Path) -> None:
 def launched(tmp_path_factory):
     """Start the 3 worker processes once; their outcomes, exit codes and logs."""
     outdir = tmp_path_factory.mktemp("agreement")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), str(Path(__file__).resolve().parents[1] / "_support"),
+                                                                    os.environ.get("PYTHONPATH", "")]))
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(r), str(WORLD), _rendezvous(outdir), str(outdir)],

@@ -46,7 +46,7 @@ from test_properties import (Case, ModuleCase, Oracle, assert_agrees, forward_ba
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("reference", "sdpa", "chunked", "auto")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 #: the dtypes each device is tested in (float16 matmuls on the CPU are slow and rarely used)

@@ -9,7 +9,7 @@ from contextlib import redirect_stdout
 
 import torch
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def load(name: str):

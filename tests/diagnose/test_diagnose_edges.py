@@ -16,7 +16,7 @@ import multihead
 from multihead.cli import main
 from multihead.diagnose import MAX_PARAMETERS, NotAttention, diagnose
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "examples" / "my_attention.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples" / "my_attention.py"
 
 
 class Mlp(nn.Module):

@@ -18,7 +18,7 @@ import pytest
 
 import conftest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where conftest's tables name files from
 ROOT = TESTS.parent
 
 

@@ -21,7 +21,7 @@ import torch
 import multihead
 from multihead import masks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FUSED = ("sdpa", "chunked")
 
 

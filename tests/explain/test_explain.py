@@ -31,7 +31,7 @@ DEFAULT_STEPS += [(n, (2, 2, 3, 3)) for n in ("scores QKᵀ", "scale", "causal m
 DEFAULT_STEPS += [("weights × V", (2, 2, 3, 4)), ("move heads back", (2, 3, 2, 4)),
                   ("merge heads", (2, 3, 8)), ("output projection", (2, 3, 8))]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEG_INF = float("-inf")
 
 

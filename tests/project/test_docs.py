@@ -35,7 +35,7 @@ import torch
 
 import multihead
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN = {"python", "console"}
 NOT_RUN = {"text", "bash", "sh"}

@@ -27,7 +27,7 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat is in the test extra
 nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra: pip install -e '.[test]'")
 pytest.importorskip("ipykernel", reason="ipykernel is in the test extra: pip install -e '.[test]'")
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 SETUP = """\
 import torch, multihead
