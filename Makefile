@@ -96,7 +96,8 @@ test-suite: $(VENV)/.test $(VENV)/.weights
 # which the scalar build lacks ("RuntimeError: pack_vnni2 is only supported when avx512 is
 # supported", a torch bug); capping oneDNN below AMX avoids it, and on CPUs without AVX-512 the
 # cap changes nothing.
-ISA_PYTEST := $(PYTEST) -m numerics -k "not flex" --hypothesis-profile=isa
+# --numerics-files: only the files that hold numerics tests are collected (tests/conftest.py).
+ISA_PYTEST := $(PYTEST) -m numerics -k "not flex" --hypothesis-profile=isa --numerics-files
 test-isa-default: $(VENV)/.test $(VENV)/.weights
 	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX512_CORE $(ISA_PYTEST) --junitxml=$(REPORTS)/isa-default.xml
 

@@ -189,6 +189,26 @@ def _numerics(item: pytest.Item, file: str) -> bool:
     return not isinstance(context, str) or file != "api/test_contexts.py" or context in NUMERICS_CONTEXTS
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--numerics-files", action="store_true",
+                     help="collect only the test files that can hold numerics tests (those of NUMERICS and those that "
+                          "write pytest.mark.numerics): what the ISA passes run, without importing the rest")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``--numerics-files``, leave out the test files that hold no numerics test."""
+    if not config.getoption("numerics_files") or not collection_path.name.startswith("test_") \
+            or collection_path.suffix != ".py":
+        return None
+    path = collection_path.resolve()
+    if path.is_relative_to(TESTS) and path.relative_to(TESTS).as_posix() in NUMERICS:
+        return None
+    try:
+        return None if "mark.numerics" in path.read_text(encoding="utf-8") else True
+    except OSError:
+        return None
+
+
 def _module_fixtures(item: pytest.Item) -> list[str]:
     """The module- or session-scoped fixtures defined in the item's own test module that it uses."""
     info = getattr(item, "_fixtureinfo", None)

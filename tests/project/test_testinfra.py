@@ -34,10 +34,23 @@ FAKE_MAKE = """\
 #!{python}
 # A stand-in for make: exits with the code FAKE_FAIL gives its target ("docs:2,install:1"), and
 # for test-suite writes a JUnit file of 3 tests (1 failed, 1 skipped) where FAKE_REPORTS says.
-import os, pathlib, sys
+# It notes its target and the TEST_WORKERS and OMP_NUM_THREADS it was given in FAKE_LOG.DIR/TARGET;
+# FAKE_WAIT="test-suite:test-isa-default" makes test-suite wait (at most 60 s, else exit 3) until
+# test-isa-default has started.
+import os, pathlib, sys, time
 target = sys.argv[-1]
+notes = pathlib.Path(os.environ["FAKE_LOG"] + ".dir")
+notes.mkdir(exist_ok=True)
+(notes / target).write_text(os.environ.get("TEST_WORKERS", "-") + " " + os.environ.get("OMP_NUM_THREADS", "-"))
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(target + "\\n")
+for wait in os.environ.get("FAKE_WAIT", "").split(","):
+    if wait.startswith(target + ":"):
+        deadline = time.monotonic() + 60
+        while not (notes / wait.split(":")[1]).exists():
+            if time.monotonic() > deadline:
+                sys.exit(3)
+            time.sleep(0.05)
 codes = dict(x.split(":") for x in os.environ.get("FAKE_FAIL", "").split(",") if x)
 if target == "test-suite":
     reports = pathlib.Path(os.environ["FAKE_REPORTS"])
@@ -64,8 +77,9 @@ def driver(tmp_path, monkeypatch):
     # the AVX2 emulation runs whatever this CPU is
     monkeypatch.setattr(phases, "PHASES", [dataclasses.replace(p, skip_unless=None) for p in phases.PHASES])
 
-    def run(fail: str = "", argv: list[str] | None = None, capsys=None):
+    def run(fail: str = "", argv: list[str] | None = None, capsys=None, wait: str = ""):
         monkeypatch.setenv("FAKE_FAIL", fail)
+        monkeypatch.setenv("FAKE_WAIT", wait)
         rc = phases.main(argv or [])
         out = capsys.readouterr().out
         targets = log.read_text().split() if log.exists() else []
@@ -73,13 +87,25 @@ def driver(tmp_path, monkeypatch):
         return rc, out.splitlines(), targets
 
     run.phases = phases
+    run.notes = Path(str(log) + ".dir")
     return run
+
+
+def _in_group_order(targets: list[str], phases) -> bool:
+    """The targets ran group by group (a phase and those beside it), in any order inside a group."""
+    at = 0
+    for group in phases._groups(phases.PHASES):
+        names = sorted(p.target for p in group)
+        if sorted(targets[at:at + len(names)]) != names:
+            return False
+        at += len(names)
+    return at == len(targets)
 
 
 def test_every_phase_runs_in_order_and_a_clean_run_exits_0(driver, capsys):
     rc, lines, targets = driver(capsys=capsys)
     assert rc == 0
-    assert targets == [p.target for p in driver.phases.PHASES]
+    assert _in_group_order(targets, driver.phases)
     for p in driver.phases.PHASES:
         assert any(line.startswith(f"=== phase {p.name}: ") for line in lines), p.name  # said before it starts
         assert sum(line.startswith(f"phase {p.name} ... ok (") and line.endswith("s)") for line in lines) == 2
@@ -89,7 +115,7 @@ def test_every_phase_runs_in_order_and_a_clean_run_exits_0(driver, capsys):
 def test_a_failed_phase_does_not_stop_the_others_and_the_exit_status_says_so(driver, capsys):
     rc, lines, targets = driver(fail="docs:2,test-isa-default:5", capsys=capsys)
     assert rc == 1
-    assert targets == [p.target for p in driver.phases.PHASES]  # everything after docs ran too
+    assert _in_group_order(targets, driver.phases)  # everything after docs ran too
     assert any(line.startswith("phase docs ... FAILED (exit 2, ") for line in lines)
     assert any(line.startswith("phase isa-default ... FAILED (exit 5, ") for line in lines)  # pytest: no tests ran
     assert "make test FAILED: docs, isa-default" in lines
@@ -116,6 +142,52 @@ def test_phases_can_be_named_and_an_unknown_one_is_refused(driver, capsys):
     assert rc == 0 and targets == ["docs", "test-suite"]  # in the driver's order
     assert driver.phases.main(["doc"]) == 2
     assert "unknown phase doc: choose among install, weights" in capsys.readouterr().err
+
+
+def test_phases_beside_another_run_at_the_same_time_on_one_thread_and_print_after_it(driver, capsys):
+    """The ISA passes start with the suite (which waits for one of them to have started, or fails),
+    each in one process on one torch thread, and their output is printed once the suite is done."""
+    phases = driver.phases
+    by_name = {p.name: p for p in phases.PHASES}
+    assert by_name["isa-default"].beside and by_name["isa-avx2"].beside and not by_name["suite"].beside
+    rc, lines, targets = driver(argv=["suite", "isa-default", "isa-avx2"], capsys=capsys,
+                                wait="test-suite:test-isa-default,test-suite:test-isa-avx2")
+    assert rc == 0, lines
+    assert sorted(targets) == ["test-isa-avx2", "test-isa-default", "test-suite"]
+    assert (driver.notes / "test-suite").read_text() == "- -"  # the suite: every core, as the Makefile says
+    for target in ("test-isa-default", "test-isa-avx2"):
+        assert (driver.notes / target).read_text() == "0 1", target
+    suite_done = lines.index(next(line for line in lines if line.startswith("phase suite ... ok (")))
+    for name, target in (("isa-default", "test-isa-default"), ("isa-avx2", "test-isa-avx2")):
+        assert any(line.startswith(f"=== phase {name}: ") for line in lines[:suite_done])  # said before it starts
+        assert f"ran {target}" in lines[suite_done:]  # its output, after the suite's
+        assert any(line.startswith(f"phase {name} ... ok (") for line in lines[suite_done:])
+
+
+def test_a_phase_run_alone_is_not_beside_anything(driver, capsys):
+    rc, lines, targets = driver(argv=["isa-default"], capsys=capsys)
+    assert rc == 0 and targets == ["test-isa-default"]
+    assert (driver.notes / "test-isa-default").read_text() == "- -"
+
+
+def test_the_isa_passes_collect_every_file_that_can_hold_a_numerics_test(tmp_path):
+    """--numerics-files leaves out a test file only when it is not in NUMERICS and marks no test
+    ``numerics`` itself: the ISA passes run every numerics test without importing the other files."""
+    config = type("Config", (), {"getoption": staticmethod(lambda name: name == "numerics_files")})()
+    for file in sorted(TESTS.rglob("test_*.py")):
+        rel = file.relative_to(TESTS).as_posix()
+        kept = rel in conftest.NUMERICS or "mark.numerics" in file.read_text(encoding="utf-8")
+        assert conftest.pytest_ignore_collect(file, config) is (None if kept else True), rel
+    for rel in conftest.NUMERICS:
+        assert conftest.pytest_ignore_collect(TESTS / rel, config) is None, rel
+    marked = tmp_path / "test_marked.py"
+    marked.write_text("import pytest\n\n@pytest.mark.numerics\ndef test_x():\n    pass\n")
+    assert conftest.pytest_ignore_collect(marked, config) is None  # outside tests/: only its text is read
+    plain = tmp_path / "test_plain.py"
+    plain.write_text("def test_x():\n    pass\n")
+    assert conftest.pytest_ignore_collect(plain, config) is True
+    off = type("Config", (), {"getoption": staticmethod(lambda name: False)})()
+    assert conftest.pytest_ignore_collect(plain, off) is None  # without the option, every file
 
 
 def _test_functions(file: str) -> set[str]:
