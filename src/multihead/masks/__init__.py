@@ -109,91 +109,77 @@ score mods are probed in); sink tokens are ``window(left, sinks=n)``; ``chunked_
 causal by itself; a mask has at most one documents part and one sink part.
 
 Legend: B batch, H query heads, Lq/Lk query/key lengths, bq/bk a tile's query/key counts.
+
+The package, one concept a file (imports point down this list, never up):
+
+==================  ==========================================================================
+`geometry`          rows, diagonals and key intervals: the arithmetic every structural kind and
+                    kernel shares (no mask classes)
+`core`              the algebra (`Mask`, ``&``, `as_mask`, `keep`, `bias`) and what kernels read
+                    (`Mask.role`, intervals, tile states, `BlockPlan`, `as_4d`, `tile_of`)
+`structural`        causal, window, chunked_local, documents: each kind beside its constructor
+`tensors`           key_padding (keep and bias, what a plain tensor means, are in `core`)
+`programmable`      mask_mod and score_mod: FlexAttention's functions, evaluated per tile
+`scores`            the built-in score kinds: softcap, sink, alibi
+`plans`             `block_plan`: a mask's tile states over a grid, computed once
+`convert`           foreign conventions in: nn.MultiheadAttention's (`from_torch`), Hugging Face's
+==================  ==========================================================================
+
+docs/masks.md ("Adding a mask kind") walks through a new kind.
 """
 
 from __future__ import annotations
 
-from .core import (  # noqa: F401  # every name, as the module had them
-    ALIGNMENTS as ALIGNMENTS,
-    ALiBi as ALiBi,
-    AllOf as AllOf,
-    Bias as Bias,
-    BlockPlan as BlockPlan,
-    Causal as Causal,
-    ChunkedLocal as ChunkedLocal,
-    Documents as Documents,
-    Keep as Keep,
-    KeyPadding as KeyPadding,
-    MAX_HEADS as MAX_HEADS,
-    MAX_TOKENS as MAX_TOKENS,
-    Mask as Mask,
-    MaskLike as MaskLike,
-    MaskMod as MaskMod,
-    MaskTensors as MaskTensors,
-    PLAN_BLOCK as PLAN_BLOCK,
-    ROLES as ROLES,
-    ScoreMod as ScoreMod,
-    Shape as Shape,
-    Sink as Sink,
-    Softcap as Softcap,
-    TILE_STATES as TILE_STATES,
-    UNLIMITED as UNLIMITED,
-    Window as Window,
-    _AnyRows as _AnyRows,
-    _BuildsNothing as _BuildsNothing,
-    _Built as _Built,
-    _CONVENTION as _CONVENTION,
-    _End as _End,
-    _Intervals as _Intervals,
-    _PROBE as _PROBE,
-    _Row as _Row,
-    _Rows as _Rows,
-    _TorchHeadsMask as _TorchHeadsMask,
-    _call_indexed as _call_indexed,
-    _captured as _captured,
-    _captured_device as _captured_device,
-    _check_align as _check_align,
-    _check_broadcast as _check_broadcast,
-    _check_count as _check_count,
-    _check_ids as _check_ids,
-    _check_in_range as _check_in_range,
-    _check_lengths as _check_lengths,
-    _documents_of as _documents_of,
-    _fn_name as _fn_name,
-    _from_ends as _from_ends,
-    _holds as _holds,
-    _ids_from_lengths as _ids_from_lengths,
-    _index_args as _index_args,
-    _interval_keep as _interval_keep,
-    _intervals as _intervals,
-    _lengths_from_cu as _lengths_from_cu,
-    _max as _max,
-    _min as _min,
-    _runs as _runs,
-    _state_of as _state_of,
-    _tile as _tile,
-    _unchanged as _unchanged,
-    _vmapped as _vmapped,
-    alibi as alibi,
-    alibi_slopes as alibi_slopes,
-    as_mask as as_mask,
-    bias as bias,
-    block_plan as block_plan,
-    causal as causal,
-    chunked_local as chunked_local,
-    diagonal_offset as diagonal_offset,
-    documents as documents,
-    from_cu_seqlens as from_cu_seqlens,
-    from_seqlens as from_seqlens,
-    from_torch as from_torch,
-    interval_cover as interval_cover,
-    keep as keep,
-    key_padding as key_padding,
-    mask_mod as mask_mod,
-    score_mod as score_mod,
-    sink as sink,
-    softcap as softcap,
-    split_additive as split_additive,
-    window as window,
+from .convert import from_torch
+from .core import (
+    ROLES,
+    BlockPlan,
+    Mask,
+    MaskLike,
+    MaskTensors,
+    as_mask,
+    bias,
+    keep,
+    split_additive,
 )
-from .core import __all__ as __all__
+from .core import AllOf as AllOf, Bias as Bias, Keep as Keep
+from .core import as_4d as as_4d, tile_of as tile_of
+from .geometry import ALIGNMENTS, TILE_STATES, UNLIMITED
+from .geometry import interval_cover as interval_cover
+from .plans import PLAN_BLOCK as PLAN_BLOCK, block_plan
+from .programmable import MaskMod as MaskMod, ScoreMod as ScoreMod, mask_mod, score_mod
+from .scores import ALiBi as ALiBi, Sink as Sink, Softcap as Softcap, alibi, alibi_slopes, sink, softcap
+from .scores import MAX_HEADS as MAX_HEADS
+from .structural import Causal as Causal, ChunkedLocal as ChunkedLocal, Documents as Documents, Window as Window
+from .structural import MAX_TOKENS as MAX_TOKENS, causal, chunked_local, documents, from_cu_seqlens, from_seqlens, window
+from .tensors import KeyPadding as KeyPadding, key_padding
+
+__all__ = [
+    "Mask",
+    "MaskLike",
+    "MaskTensors",
+    "BlockPlan",
+    "causal",
+    "window",
+    "key_padding",
+    "keep",
+    "bias",
+    "documents",
+    "from_seqlens",
+    "from_cu_seqlens",
+    "chunked_local",
+    "mask_mod",
+    "score_mod",
+    "softcap",
+    "sink",
+    "alibi",
+    "alibi_slopes",
+    "block_plan",
+    "as_mask",
+    "from_torch",
+    "split_additive",
+    "ALIGNMENTS",
+    "ROLES",
+    "TILE_STATES",
+    "UNLIMITED",
+]
