@@ -143,7 +143,7 @@ from .core import (
     split_additive,
 )
 from .core import AllOf as AllOf, Bias as Bias, Keep as Keep
-from .core import as_4d as as_4d, tile_of as tile_of
+from .core import Shape as Shape, as_4d as as_4d, tile_of as tile_of
 from .geometry import ALIGNMENTS, TILE_STATES, UNLIMITED
 from .geometry import interval_cover as interval_cover
 from .plans import PLAN_BLOCK as PLAN_BLOCK, block_plan

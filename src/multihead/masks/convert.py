@@ -115,3 +115,70 @@ class _TorchHeadsMask(Mask):
 
     def __repr__(self) -> str:
         return f"from_torch(attn_mask of shape {tuple(self.tensor.shape)})"
+
+
+def from_hf(attention_mask: Optional[torch.Tensor], lq: int, lk: int, *, is_causal: bool,
+            softcap: Optional[float] = None) -> Optional[Mask]:
+    """A mask from the ``attention_mask`` transformers passes to an attention function.
+
+    ``attention_mask``: None (``is_causal`` and Lq > 1: top-left causal, transformers' rule),
+    bool (B or 1, 1 or H, Lq, Lk') with True = may attend, or float of that shape, added to
+    the scores, whose entries at or below half the dtype's lowest value block. Lk' >= Lk (a
+    static cache's mask may be longer than the keys; it is cut to the first Lk columns).
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) squashes the scores before the mask is
+    added, as eager does: a float mask's bias is added after the cap (a score mod after
+    `softcap`), its blocked entries select. A flex-attention ``BlockMask`` is translated by
+    `multihead.integrations.transformers.to_mask` (through the flex backend).
+
+    >>> import torch
+    >>> from multihead.masks.convert import from_hf
+    >>> from_hf(None, 3, 3, is_causal=True)
+    causal(align='top_left')
+    >>> m = from_hf(torch.tensor([[[[0.0, -3.4e38]]]]), 1, 2, is_causal=True)
+    >>> m.materialize((1, 1, 1, 2), device=torch.device("cpu"), dtype=torch.float32).keep.tolist()
+    [[[[True, False]]]]
+    """
+    mask = _hf_tensor(attention_mask, lq, lk, is_causal=is_causal, softcap=softcap)
+    if softcap is None:
+        return mask
+    capped = _softcap(softcap)
+    return capped if mask is None else capped & mask
+
+
+def _hf_tensor(attention_mask: object, lq: int, lk: int, *, is_causal: bool,
+               softcap: Optional[float]) -> Optional[Mask]:
+    if attention_mask is None:
+        return causal(align="top_left") if is_causal and lq > 1 else None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor, a flex-attention BlockMask or None, got "
+            f"{type(attention_mask).__name__}"
+        )
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape[-1] > lk:
+        attention_mask = attention_mask[..., :lk]
+    if attention_mask.dtype == torch.bool:
+        return Keep(attention_mask)
+    if not attention_mask.is_floating_point():
+        raise TypeError(f"attention_mask must be bool or float, got {attention_mask.dtype}")
+    blocked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
+    mask: Mask = Keep(~blocked)
+    rest = attention_mask.masked_fill(blocked, 0)
+    if bool(rest.ne(0).any()):
+        mask = mask & (Bias(rest) if softcap is None else _added_after_the_cap(rest))
+    return mask
+
+
+def _added_after_the_cap(bias: torch.Tensor) -> Mask:
+    """A (B|1, H|1, Lq, Lk) bias as a score mod, so that it comes after the softcap (eager's order)."""
+    whole_batch, whole_heads = bias.shape[0] > 1, bias.shape[1] > 1
+
+    def add_mask_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                      kv_idx: torch.Tensor) -> torch.Tensor:
+        tile = bias[b if whole_batch else 0, h if whole_heads else 0, q_idx, kv_idx]
+        return score + tile.to(score.dtype)
+
+    return score_mod(add_mask_bias, tensors=(bias,))

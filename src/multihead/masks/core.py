@@ -169,8 +169,10 @@ class Mask:
         shape = tuple(shape)
         lq, lk = shape[-2:]
         built = self._tiles(0, lq, 0, lk, shape, device=device, dtype=dtype, dense=True)
-        dims = {role: max((len(p._dense_shape(shape)) for p in self.parts if p.role == role), default=4)
-                for role in ("select", "add")}
+        dims = {"select": 0, "add": 0}  # a plain loop: torch.compile traces it
+        for p in self.parts:
+            if p.role in dims:
+                dims[p.role] = max(dims[p.role], p._dense_dims(shape))
 
         def narrowed(t: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
             return None if t is None else t.reshape(t.shape[4 - n:])
@@ -370,6 +372,10 @@ class Mask:
         tensor = getattr(self, "tensor", None)
         return tuple(shape[-2:]) if tensor is None else tuple(tensor.shape)
 
+    def _dense_dims(self, shape: Shape) -> int:
+        """How many axes this part's own dense tensor has (`materialize` gives that many)."""
+        return len(self._dense_shape(shape))
+
     def _additive_tensor(self, shape: Shape) -> Optional[torch.Tensor]:
         """For a part added to the scores: its float tensor as 4-D (B|1, H|1, Lq|1, Lk|1), else None."""
         return None
@@ -411,12 +417,13 @@ MaskLike = Union[Mask, torch.Tensor, None]
 tensor (True = may attend, as `keep`), a float tensor (added to the scores, as `bias`), or None."""
 
 def as_4d(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (broadcastable to (B, H, Lq, Lk)) as a 4-D view: leading size-1 axes added.
+    """``t`` (broadcastable to (B, H, Lq, Lk)) as a 4-D view: leading size-1 axes added (a view
+    whatever its strides, so that writing into it writes into ``t``).
 
     >>> as_4d(torch.ones(3, 5)).shape
     torch.Size([1, 1, 3, 5])
     """
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t if t.dim() == 4 else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
 
 @overload

@@ -90,11 +90,13 @@ class _Row:
         return self.i + (self.ke - self.qe) if align == "bottom_right" else self.i + (self.ks - self.qs)
 
 
-def _min(a: _End, b: _End) -> _End:
+def minimum(a: _End, b: _End) -> _End:
+    """The smaller interval end, elementwise: for one row's ints or a tile's (B|1, n) tensors."""
     return torch.minimum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else min(a, b)
 
 
-def _max(a: _End, b: _End) -> _End:
+def maximum(a: _End, b: _End) -> _End:
+    """The larger interval end, elementwise: for one row's ints or a tile's (B|1, n) tensors."""
     return torch.maximum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else max(a, b)
 
 
@@ -132,7 +134,7 @@ def _intervals(parts: Sequence[_Structural], rows: "_AnyRows") -> Optional[_Inte
         if got is None:
             got = mine
         else:
-            got = [(_max(a, c), _min(b, d)) for a, b in got for c, d in mine]
+            got = [(maximum(a, c), minimum(b, d)) for a, b in got for c, d in mine]
     return got  # not clamped to [0, Lk): what is compared with keys in [0, Lk) is the same
 
 

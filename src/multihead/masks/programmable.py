@@ -134,6 +134,9 @@ class MaskMod(Mask):
         out = self._evaluate(0, min(lq, _PROBE[0]), 0, min(lk, _PROBE[1]), shape, _captured_device(self.fn))
         return (out.shape[0] if batch > 1 else 1, out.shape[1] if heads > 1 else 1, lq, lk)
 
+    def _dense_dims(self, shape: Shape) -> int:
+        return 4  # what `_evaluate` returns, without evaluating the function
+
     def own_plan(self, shape: Shape, device: Optional[torch.device] = None) -> "BlockPlan":
         """The block plan of this function alone for ``shape``: made once, and made again when a
         tensor the function reads (`_captured`) is another tensor or holds other values than

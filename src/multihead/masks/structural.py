@@ -18,7 +18,7 @@ from typing import ClassVar, Optional, Sequence, Union
 import torch
 
 from .core import Mask, Shape, _check_count
-from .geometry import UNLIMITED, _AnyRows, _check_align, _Intervals, _min
+from .geometry import UNLIMITED, _AnyRows, _check_align, _Intervals, minimum
 
 #: the most tokens one packed row may describe (`from_seqlens`, `from_cu_seqlens`): beyond any
 #: call that fits in memory
@@ -86,7 +86,7 @@ class Window(Mask):
         out = [(lo, hi)]
         if self.sinks:
             start = rows.ks + d * 0
-            out.append((start, _min(start + self.sinks, hi)))
+            out.append((start, minimum(start + self.sinks, hi)))
         return out
 
     def __repr__(self) -> str:
