@@ -217,9 +217,6 @@ class Mask:
             lo, hi = max(int(torch.stack(los).min()), 0), min(int(torch.stack(his).max()), lk)
             if hi <= 0:
                 return 0, 0
-        for part in parts:
-            plo, phi = part._key_span(q0, q1, lq, lk)
-            lo, hi = max(lo, plo), min(hi, phi)
         plan = self.plan
         if plan is not None and plan.shape[-2:] == (lq, lk):  # `check` holds B and H to the plan's
             plo, phi = plan.key_span(q0, q1)
@@ -360,9 +357,6 @@ class Mask:
     def _probe(self, shape: Shape, device: torch.device, dtype: torch.dtype, name: str) -> None:
         """For function parts: try the function once on a small tile (after every `_check`)."""
         return None
-
-    def _key_span(self, q0: int, q1: int, lq: int, lk: int) -> tuple[int, int]:
-        return 0, lk
 
     def _tile_state(self, q0: int, q1: int, k0: int, k1: int, shape: Shape, device: torch.device) -> int:
         """For non-structural parts: _EMPTY, _PARTIAL or _FULL for the selection of one tile."""
