@@ -110,18 +110,18 @@ causal by itself; a mask has at most one documents part and one sink part.
 
 Legend: B batch, H query heads, Lq/Lk query/key lengths, bq/bk a tile's query/key counts.
 
-The package, one concept a file (imports point down this list, never up):
+The package, one concept a file; each imports only the files above it in this list:
 
 ==================  ==========================================================================
 `geometry`          rows, diagonals and key intervals: the arithmetic every structural kind and
                     kernel shares (no mask classes)
 `core`              the algebra (`Mask`, ``&``, `as_mask`, `keep`, `bias`) and what kernels read
                     (`Mask.role`, intervals, tile states, `BlockPlan`, `as_4d`, `tile_of`)
+`plans`             `block_plan`: a mask's tile states over a grid, computed once
 `structural`        causal, window, chunked_local, documents: each kind beside its constructor
 `tensors`           key_padding (keep and bias, what a plain tensor means, are in `core`)
 `programmable`      mask_mod and score_mod: FlexAttention's functions, evaluated per tile
 `scores`            the built-in score kinds: softcap, sink, alibi
-`plans`             `block_plan`: a mask's tile states over a grid, computed once
 `convert`           foreign conventions in: nn.MultiheadAttention's (`from_torch`), Hugging Face's
 ==================  ==========================================================================
 
