@@ -74,8 +74,6 @@ class Mask:
     #: softcap), "denominator" adds a term to the softmax's denominator (sink). Consumers read
     #: the role, never a list of kinds.
     role: str = "select"
-    #: whether the part modifies scores (`apply_block`)
-    is_score_mod: ClassVar[bool] = False
     #: whether the part selects by key intervals per query (`_intervals`)
     is_structural: ClassVar[bool] = False
     #: whether `_build_block` reads the rows' geometry (``rows=``)
@@ -110,8 +108,8 @@ class Mask:
     # -- what kernels read
     @property
     def score_mods(self) -> tuple["Mask", ...]:
-        """The score-mod parts (score_mod, softcap) in written order; empty for most masks."""
-        return tuple(p for p in self.parts if p.is_score_mod)
+        """The parts whose role is "modify" (score_mod, softcap), in written order; empty for most masks."""
+        return tuple(p for p in self.parts if p.role == "modify")
 
     @property
     def sink_logits(self) -> Optional[torch.Tensor]:

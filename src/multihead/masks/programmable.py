@@ -241,7 +241,6 @@ class ScoreMod(_BuildsNothing):
 
     kind: ClassVar[str] = "score_mod"
     role = "modify"
-    is_score_mod: ClassVar[bool] = True
 
     def __init__(self, fn: Callable[..., torch.Tensor], tensors: Optional[Sequence[torch.Tensor]] = None):
         if not callable(fn):
