@@ -115,7 +115,7 @@ def _split_mask_by_head(m, shape, query) -> list:
     def head(t, i):
         if t is None:
             return None
-        t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # as (B|1, H|1, Lq|1, Lk|1)
+        t = _masks.as_4d(t)  # as (B|1, H|1, Lq|1, Lk|1)
         return t[:, i:i + 1] if t.shape[1] > 1 else t
 
     masks = []

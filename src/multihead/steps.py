@@ -40,7 +40,6 @@ __all__ = [
     "CHECKS",
     "COST_RULES",
     "MASK_KINDS",
-    "SELECTING",
     "selecting_kinds",
     "part_params",
     "ROLES",
@@ -97,11 +96,6 @@ MASK_KINDS: dict[str, tuple[str, str]] = {
     "sink": ("sink", "注意力汇聚 sink"),
     "all": ("combined", "组合"),
 }
-
-#: the mask kinds that select (a -inf where they say False): what the mask step is made of.
-#: The others add to the scores (bias, alibi), rewrite them (score_mod, softcap) or join the
-#: softmax's denominator (sink).
-SELECTING = frozenset({"causal", "window", "padding", "keep", "torch", "documents", "chunked_local", "mask_mod"})
 
 #: every check a trace or ``multihead explain`` records, by its English name (the key a step's
 #: ``checks`` uses): its Chinese name
@@ -233,8 +227,10 @@ def mask_words(kinds: Sequence[str], lang: str, sep: str = " & ") -> str:
 
 
 def selecting_kinds(parts: Sequence[Any]) -> tuple[str, ...]:
-    """The kinds of the selecting parts among a mask's ``parts`` (:data:`SELECTING`), in order."""
-    return tuple(p.kind for p in parts if p.kind in SELECTING)
+    """The kinds of the selecting parts among a mask's ``parts`` (those whose ``role`` is
+    "select": a -inf where they say False; what the mask step is made of), in order. The others
+    add to the scores, rewrite them or join the softmax's denominator (`multihead.masks.ROLES`)."""
+    return tuple(p.kind for p in parts if p.role == "select")
 
 
 #: the attributes of a mask part that the mask step records (besides its kind), by kind

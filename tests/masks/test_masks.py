@@ -200,3 +200,50 @@ def test_every_kind_declares_its_role():
     for role, ms in want.items():
         for m in ms:
             assert [p.role for p in m.parts] == [role], repr(m)
+
+
+#: multihead.masks' files in import order: each may import only the files before it
+PACKAGE_ORDER = ("geometry", "core", "plans", "structural", "tensors", "programmable", "scores", "convert")
+
+
+def test_the_package_imports_point_one_way_and_never_from_inside_a_function():
+    """Issue 23: masks is a package by concept whose imports point one way; nothing in it imports
+    inside a function (no lazy import of a module that would import masks back)."""
+    import ast
+    import pathlib
+
+    folder = pathlib.Path(masks.__file__).parent
+    files = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert files == set(PACKAGE_ORDER), "a new file in multihead/masks: place it in PACKAGE_ORDER"
+    for rank, name in enumerate(PACKAGE_ORDER):
+        tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and node.module in PACKAGE_ORDER[:rank], (
+                    f"masks/{name}.py imports .{'.' * (node.level - 1)}{node.module}: only {PACKAGE_ORDER[:rank]}")
+            elif isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("multihead"), (name, node.module)
+        inner = [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not inner, f"masks/{name}.py imports inside a function at line {inner[0].lineno}"
+
+
+def test_materialize_is_the_block_of_the_whole_call():
+    """One build path: the dense tensors are the block over every query and key, the keep with
+    the axes of the widest selecting part (a causal part alone: (Lq, Lk))."""
+    ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    cases = [masks.causal(), masks.window(1) & masks.key_padding(torch.tensor([[True] * 4 + [False]] * 2)),
+             masks.documents(ids) & masks.alibi([0.5, 0.25]) & masks.causal(),
+             masks.mask_mod(lambda b, h, q, kv: kv % 2 == 0) & masks.bias(torch.randn(5, 5))]
+    cpu = torch.device("cpu")
+    for m in cases:
+        shape = (2, 2, 5, 5)
+        dense = m.materialize(shape, device=cpu, dtype=torch.float64)
+        tile = m.block(0, 5, 0, 5, shape, device=cpu, dtype=torch.float64)
+        for got, whole in ((dense.keep, tile.keep), (dense.bias, tile.bias)):
+            if got is None:
+                assert whole is None, repr(m)
+                continue
+            want = torch.ones(shape, dtype=got.dtype) if whole is None else whole.expand(shape)
+            assert torch.equal(got.expand(shape), want), repr(m)
+    assert masks.causal().materialize((1, 1, 2, 3), device=cpu, dtype=torch.float32).keep.shape == (2, 3)

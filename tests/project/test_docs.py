@@ -243,6 +243,21 @@ def test_readme_and_docs_have_runnable_blocks():
     assert len(readme) >= 5 and len(CONSOLE) >= 2
 
 
+def test_adding_a_mask_kind_is_a_worked_example_that_runs():
+    """docs/masks.md's "Adding a mask kind" shows a new kind written out (its class with its role,
+    its words, its flex translation) in a python block, which test_python_block_runs_on_its_own
+    runs; this test keeps the section and its block from going missing."""
+    page = ROOT / "docs" / "masks.md"
+    lines = page.read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Adding a mask kind") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    blocks = [code for p, _, line, code in PYTHON if p == page and start < line <= end]
+    assert blocks, "the section has no python block"
+    code = blocks[0]
+    for shown in ("(masks.Mask)", "role = ", "MASK_KINDS", "flex.translate(", "torch.testing.assert_close("):
+        assert shown in code, f"the worked example no longer shows {shown!r}"
+
+
 # ---------------------------------------------------------------------------- docstrings
 def _modules() -> list:
     """Every module of the package that imports here (a module needing a missing extra is left out)."""

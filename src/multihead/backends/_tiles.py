@@ -104,7 +104,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
-from ..masks import ALiBi, KeyPadding, Mask, Softcap, split_additive
+from ..masks import ALiBi, KeyPadding, Mask, Softcap, split_additive, tile_of
 from . import native as _native
 
 __all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "Tiles", "attend", "merge",
@@ -232,7 +232,7 @@ class Tiles:
         alibi: Optional[ALiBi] = None
         cap = 0.0
         for part in self.rest.parts if self.rest is not None else ():
-            if part.is_structural or part.kind == "sink":
+            if part.is_structural or part.role == "denominator":  # the sink: read as mask.sink_logits
                 continue
             if isinstance(part, KeyPadding):
                 keep = part.tensor if keep is None else keep & part.tensor
@@ -310,7 +310,7 @@ class Tiles:
         (b, Hkv|1, bq, G|1, bk) tile of 0 and -inf to add, or None (no keep mask, or a tile the
         mask shows whole). Adding -inf is ten times faster than ``masked_fill_`` here."""
         nq = r1 - r0
-        tiles = [(_tile4(b, a0, a0 + nq, k0, k1), False) for b in self.biases]  # heads picked already
+        tiles = [(tile_of(b, a0, a0 + nq, k0, k1), False) for b in self.biases]  # heads picked already
         keep = None
         if self.rest is not None and (self.rest_adds or not whole):
             mt = self.rest.block(a0, a0 + nq, k0, k1, self.mask_shape, device=s.device, dtype=self.cdt, whole=whole)
@@ -833,19 +833,12 @@ def _exp_(s: torch.Tensor, base2: bool = False) -> torch.Tensor:
     return torch.threshold_(s.clamp_(min=EXP_FLOOR).exp_(), _EXP_FLOOR_VALUE, 0.0)
 
 
-def _tile4(t: torch.Tensor, q0, q1, k0, k1) -> torch.Tensor:
-    """A 4-D broadcastable tensor restricted to one tile (size-1 axes stay)."""
-    rows = slice(None) if t.shape[-2] == 1 else slice(q0, q1)
-    cols = slice(None) if t.shape[-1] == 1 else slice(k0, k1)
-    return t[:, :, rows, cols]
-
-
 def _add_bias_grad(db: torch.Tensor, ds: torch.Tensor, q0, q1, k0, k1) -> None:
     """Add the (B, H, bq, bk) tile gradient ``ds`` into ``db`` (the bias's 4-D broadcast shape)."""
     dims = [i for i in range(4) if db.shape[i] == 1 and ds.shape[i] != 1]
     if dims:
         ds = ds.sum(dim=dims, keepdim=True)
-    _tile4(db, q0, q1, k0, k1).add_(ds)
+    tile_of(db, q0, q1, k0, k1).add_(ds)
 
 
 def _query_blocks(lq, block_q, positions):

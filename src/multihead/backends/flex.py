@@ -77,7 +77,7 @@ from .. import trace as _trace
 from .. import masks as _masks
 from .._checks import check_positive_int
 from .._numerics import compute_dtype
-from ..masks import Mask, MaskLike, as_mask
+from ..masks import Mask, MaskLike, as_4d, as_mask
 from . import Backend, Call, register
 
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
@@ -143,13 +143,9 @@ class Translation:
     parts: tuple[str, ...]
 
 
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
-
-
 def _lookup(t: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """t[b, h, q, kv] for a tensor broadcastable to (B, H, Lq, Lk): a size-1 axis reads index 0."""
-    t = _as_4d(t)
+    t = as_4d(t)
     nb, nh, nq, nk = (int(n) for n in t.shape)
 
     def at(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .. import steps as _steps
 from .. import trace as _trace
-from ..masks import Causal, Mask, split_additive
+from ..masks import Causal, Mask, as_4d, split_additive
 from . import Backend, Call, _tiles, get, register
 from .._numerics import compute_dtype
 
@@ -70,7 +70,7 @@ def sdpa_mask_args(mask: Optional[Mask], shape, *, device, dtype):
         t = mt.keep
     else:  # an invariant: a mask has at least one part, and every leaf builds a keep or a bias
         raise RuntimeError(f"{mask!r} materialized to neither a keep nor a bias tensor")
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)), False  # 4-D: see the module docstring
+    return as_4d(t), False  # 4-D: see the module docstring
 
 
 def _is_kernel_causal(mask: Mask, shape) -> bool:
@@ -207,7 +207,7 @@ def refuses_score_kinds(mask: Optional[Mask]) -> Optional[str]:
         return None
     kinds = [repr(p) for p in mask.score_mods]
     if mask.sink_logits is not None:
-        kinds.append(next(repr(p) for p in mask.parts if p.kind == "sink"))
+        kinds.append(next(repr(p) for p in mask.parts if p.role == "denominator"))
     if kinds:
         return (f"torch's scaled_dot_product_attention cannot apply {' & '.join(kinds)} "
                 "(score mods and sinks change the softmax itself); use backend='chunked' or 'reference'")

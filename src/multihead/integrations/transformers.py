@@ -72,6 +72,7 @@ import torch
 from ..backends import BackendName
 from ..backends import flex as _flex
 from .. import masks as _masks
+from ..masks.convert import from_hf as _from_hf
 from ..trace import current as _current_trace
 from .._progress import Progress, progress
 from ..functional import attention, attention_with_weights
@@ -122,11 +123,7 @@ def to_mask(
     if _is_block_mask(attention_mask):
         from_bm: _masks.Mask = _flex.from_block_mask(attention_mask, B=batch, H=heads)  # type: ignore[arg-type]
         return from_bm if softcap is None else _masks.softcap(softcap) & from_bm
-    mask = _to_mask(attention_mask, lq, lk, is_causal=is_causal, softcap=softcap)
-    if softcap is None:
-        return mask
-    capped = _masks.softcap(softcap)
-    return capped if mask is None else capped & mask
+    return _from_hf(attention_mask, lq, lk, is_causal=is_causal, softcap=softcap)
 
 
 def _is_block_mask(x: object) -> bool:
@@ -136,43 +133,6 @@ def _is_block_mask(x: object) -> bool:
     except ImportError:  # a torch without flex attention has no BlockMask to pass
         return False
     return isinstance(x, BlockMask)
-
-
-def _to_mask(attention_mask, lq: int, lk: int, *, is_causal: bool, softcap) -> Optional[_masks.Mask]:
-    if attention_mask is None:
-        return _masks.causal(align="top_left") if is_causal and lq > 1 else None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(
-            f"attention_mask must be a torch.Tensor, a flex-attention BlockMask or None, got "
-            f"{type(attention_mask).__name__}"
-        )
-    if attention_mask.dim() != 4:
-        raise ValueError(
-            f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(attention_mask.shape)}"
-        )
-    if attention_mask.shape[-1] > lk:
-        attention_mask = attention_mask[..., :lk]
-    if attention_mask.dtype == torch.bool:
-        return _masks.keep(attention_mask)
-    if not attention_mask.is_floating_point():
-        raise TypeError(f"attention_mask must be bool or float, got {attention_mask.dtype}")
-    blocked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
-    mask = _masks.keep(~blocked)
-    rest = attention_mask.masked_fill(blocked, 0)
-    if bool(rest.ne(0).any()):
-        mask = mask & (_masks.bias(rest) if softcap is None else _added_after_the_cap(rest))
-    return mask
-
-
-def _added_after_the_cap(bias: torch.Tensor) -> _masks.Mask:
-    """A (B|1, H|1, Lq, Lk) bias as a score mod, so that it comes after the softcap (eager's order)."""
-    whole_batch, whole_heads = bias.shape[0] > 1, bias.shape[1] > 1
-
-    def add_mask_bias(score, b, h, q_idx, kv_idx):
-        tile = bias[b if whole_batch else 0, h if whole_heads else 0, q_idx, kv_idx]
-        return score + tile.to(score.dtype)
-
-    return _masks.score_mod(add_mask_bias, tensors=(bias,))
 
 
 def attention_forward(
