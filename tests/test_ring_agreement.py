@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from multihead import masks
-from multihead import distributed as mhd
+from multihead.distributed import ring as mhd
 from multihead.distributed import ring_attention, shard_sequence, unshard_sequence
 from oracle import judge, naive_attention
 from test_distributed import SRC, _rendezvous

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import masks as _masks
-from .distributed import (
+from .distributed.ring import (
     _agree, _agree_on, _announce_rejection, _check_layout, _check_timeout, _describe, _Ring, _Spec, mask_signature,
     ring_attention, shard_sequence, unshard_sequence,
 )

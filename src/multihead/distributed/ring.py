@@ -53,12 +53,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from . import masks as _masks
-from ._checks import check_qkv, check_scale
-from ._numerics import compute_dtype, default_scale
-from .backends import _tiles
-from .backends import chunked as _chunked
-from .backends import flex as _flex
+from .. import masks as _masks
+from .._checks import check_qkv, check_scale
+from .._numerics import compute_dtype, default_scale
+from ..backends import _tiles
+from ..backends import chunked as _chunked
+from ..backends import flex as _flex
 
 __all__ = [
     "LAYOUTS",
@@ -1067,7 +1067,7 @@ class ContextParallel(nn.Module):
 
     def __init__(self, mha: nn.Module, group=None, *, layout: Optional[str] = None, timeout: Optional[float] = None):
         super().__init__()
-        from .module import MultiHeadAttention
+        from ..module import MultiHeadAttention
 
         if not isinstance(mha, MultiHeadAttention):
             raise TypeError(f"mha must be a multihead.MultiHeadAttention, got {type(mha).__name__}")
