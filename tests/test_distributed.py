@@ -29,7 +29,8 @@ from multihead.distributed import (
     shard_sequence,
     unshard_sequence,
 )
-from multihead.distributed.ring import _block_pairs, _segments
+from multihead.distributed.layouts import _segments
+from multihead.distributed.plan import _block_pairs
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from . import masks as _masks
-from .distributed.ring import (
-    _agree, _agree_on, _announce_rejection, _check_layout, _check_timeout, _describe, _Ring, _Spec, mask_signature,
-    ring_attention, shard_sequence, unshard_sequence,
-)
+from .distributed.agreement import _agree, _agree_on, _announce_rejection, _describe, mask_signature
+from .distributed.layouts import _check_layout, shard_sequence, unshard_sequence
+from .distributed.ring import _Spec, ring_attention
+from .distributed.transport import _check_timeout, _Ring
 from ._checks import check_qkv, check_scale
 from .functional import attention
 
