@@ -29,6 +29,7 @@ from .layouts import LAYOUTS, DocumentLayout, shard_positions, shard_sequence, u
 from .plan import rank_work, ring_plan
 from .ring import ring_attention
 from .transport import RingError
+from .ulysses import hybrid_attention, hybrid_groups, ulysses_attention
 
 __all__ = [
     "LAYOUTS",
@@ -43,4 +44,7 @@ __all__ = [
     "shard_positions",
     "ContextParallel",
     "context_parallel",
+    "ulysses_attention",
+    "hybrid_groups",
+    "hybrid_attention",
 ]

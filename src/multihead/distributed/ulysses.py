@@ -39,13 +39,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import masks as _masks
-from .distributed.agreement import _agree, _agree_on, _announce_rejection, _describe, mask_signature
-from .distributed.layouts import _check_layout, shard_sequence, unshard_sequence
-from .distributed.ring import _Spec, ring_attention
-from .distributed.transport import _check_timeout, _Ring
-from ._checks import check_qkv, check_scale
-from .functional import attention
+from .. import masks as _masks
+from .agreement import _agree, _agree_on, _announce_rejection, _describe, mask_signature
+from .layouts import _check_layout, shard_sequence, unshard_sequence
+from .ring import _Spec, ring_attention
+from .transport import _check_timeout, _Ring
+from .._checks import check_qkv, check_scale
+from ..functional import attention
 
 __all__ = ["ulysses_attention", "hybrid_groups", "hybrid_attention"]
 
