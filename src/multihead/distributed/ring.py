@@ -227,7 +227,7 @@ def ring_attention(
             (``Mask.row_intervals``, ``Mask.row_diagonals``; per document with documents, whose
             ids the ranks then gather, O(L) ints), and each block pair reads them at its global
             rows and key offset. Other masks raise ValueError
-            (``multihead.ulysses.ulysses_attention`` takes every kind).
+            (``multihead.distributed.ulysses_attention`` takes every kind).
         causal: token i attends to tokens j <= i by global position (needs Lq == Lk).
         scale: multiplies q·kᵀ; default 1/√D.
         group: the process group whose ranks hold the shards (default: the whole world), in

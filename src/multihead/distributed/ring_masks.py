@@ -46,7 +46,7 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
                 f"ring_attention takes mask=None, masks.key_padding(keep) with this rank's (B, Lk) "
                 f"shard of keep, masks.documents(ids) with this rank's shard of the ids, masks.causal(), "
                 f"window (with sinks), chunked_local, alibi ((H,) slopes) and softcap; got {part!r}. A dense "
-                "mask or bias cannot travel with the key blocks; multihead.ulysses.ulysses_attention takes "
+                "mask or bias cannot travel with the key blocks; multihead.distributed.ulysses_attention takes "
                 "every mask kind (sink logits, score and mask mods, ...)"
             )
     placed = [p for p in kinds if not isinstance(p, (_masks.Softcap, _masks.Sink))]
@@ -55,7 +55,7 @@ def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Opti
             f"ring_attention places {placed[0]!r} at the whole sequence's positions (per document with "
             f"documents), for self-attention of one sequence: q and k cut alike, got Lq={shape[2]} and "
             f"Lk={shape[3]} on this rank; shard q, k and v with the same shard_sequence call, or use "
-            "multihead.ulysses.ulysses_attention")
+            "multihead.distributed.ulysses_attention")
     return causal, keep, ids, tuple(kinds)
 
 
