@@ -344,16 +344,16 @@ def test_a_call_without_scaling_records_the_scale_its_attention_used():
     # transformers may call the attention function with scaling=None; the recorded scale is
     # then attention_forward's default, 1/math.sqrt(D), so that the page's scaled scores are the
     # ones the weights came from (D ** -0.5, recorded before, differs in the last bit for D = 8)
-    from multihead.explain import models
+    from multihead.explain import recording
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
     rec = {"calls": [], "inputs": {}}
-    models._state.rec = rec
+    recording._state.rec = rec
     try:
-        models._recorded_attention(torch.nn.Module(), q, k, v, None)
+        recording._recorded_attention(torch.nn.Module(), q, k, v, None)
     finally:
-        models._state.rec = None
+        recording._state.rec = None
     call = rec["calls"][0]
     from multihead import attention_weights, masks
 

@@ -28,7 +28,8 @@ from html import escape
 from typing import Any, Optional
 
 from .i18n import word
-from .models import MAX_TOKENS, LongRun
+from .records import LongRun
+from .recording import MAX_TOKENS
 from .real_model import _fit
 
 __all__ = ["long_text", "long_maps", "summary_fragment"]

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from .i18n import word
-from .models import RealRun
+from .records import RealRun
 
 __all__ = ["Rotary", "NeuronView", "neuron_view", "render_text", "neuron_html", "neuron_fragment", "neuron_page",
            "SHOWN_DIMS"]

@@ -39,7 +39,7 @@ from .._progress import progress
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
-from .models import LayerRecord, LongRun, ModelError, RealRun
+from .records import LayerRecord, LongRun, ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
 
 __all__ = [
