@@ -38,7 +38,7 @@ def _worker(args) -> None:
 
     from multihead import masks
     from multihead.distributed import ring_attention
-    from multihead.ulysses import ulysses_attention
+    from multihead.distributed import ulysses_attention
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

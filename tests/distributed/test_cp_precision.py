@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from multihead import masks
 from multihead.distributed import DocumentLayout, ring_attention, shard_sequence, unshard_sequence
-from multihead.ulysses import ulysses_attention
+from multihead.distributed import ulysses_attention
 from oracle import MaskPart, dense, naive_attention
 from test_properties import Oracle, assert_agrees, forward_backward
 

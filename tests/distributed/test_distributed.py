@@ -24,13 +24,13 @@ import torch
 import multihead as mh
 from multihead import masks
 from multihead.distributed import (
-    _block_pairs,
-    _segments,
     ring_attention,
     shard_positions,
     shard_sequence,
     unshard_sequence,
 )
+from multihead.distributed.layouts import _segments
+from multihead.distributed.plan import _block_pairs
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -167,7 +167,7 @@ def _failure_report(group, rank: int, world: int, timeout: float) -> dict:
 def _worker(rank: int, world: int, rendezvous: str, outdir: Path) -> None:
     import torch.distributed as dist
 
-    from multihead import distributed as mhd
+    from multihead.distributed import ring as mhd
 
     assert world == 4, "the worker runs the 4-rank ring and two 2-rank subgroups"
     dist.init_process_group(

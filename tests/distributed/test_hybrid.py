@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import multihead as mh
 from multihead import masks
-from multihead.ulysses import hybrid_attention, hybrid_groups
+from multihead.distributed import hybrid_attention, hybrid_groups
 
 P, G = 4, 2
 F64 = 1e-12

@@ -33,8 +33,9 @@ import pytest
 import torch
 
 from multihead import masks
-from multihead import distributed as mhd
+from multihead.distributed import agreement as mhd
 from multihead.distributed import ring_attention, shard_sequence, unshard_sequence
+from multihead.distributed.ring import _Spec
 from oracle import judge, naive_attention
 from test_distributed import SRC, _rendezvous
 
@@ -278,7 +279,7 @@ def test_backward_on_some_ranks_only_times_out(launched):
 
 # ------------------------------------------------------------------------------ in-process
 def test_descriptor_encoding_is_the_documented_one():
-    spec = mhd._Spec(None, True, "zigzag", 0.25)
+    spec = _Spec(None, True, "zigzag", 0.25)
     q = torch.zeros(2, 4, 6, 8, dtype=torch.bfloat16)
     k, v = torch.zeros(2, 2, 6, 8, dtype=torch.bfloat16), torch.zeros(2, 2, 6, 5, dtype=torch.bfloat16)
     keep = torch.ones(2, 6, dtype=torch.bool)
@@ -286,7 +287,7 @@ def test_descriptor_encoding_is_the_documented_one():
     cpu = ord("c") | ord("p") << 8 | ord("u") << 16
     assert got == [0x52494E47_0001, 1, 2, 4, 2, 6, 8, 5, 1, cpu, 1, 1, 1, 0x3FD0_0000_0000_0000, 1]
     assert len(got) == len(mhd._FIELDS)
-    no_causal = mhd._describe(mhd._Spec(None, False, "zigzag", 0.25), q, k, v, None, "forward", False)
+    no_causal = mhd._describe(_Spec(None, False, "zigzag", 0.25), q, k, v, None, "forward", False)
     assert no_causal[10:13] == [0, 0, -1] and no_causal[1] == 0 and no_causal[-1] == 0  # layout unused
 
 
@@ -304,7 +305,7 @@ class _FakeRing:
 def _table(changes: dict) -> list[list[int]]:
     """Descriptors of 4 ranks making the same call, with {rank: {field index: value}} changed."""
     q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
-    rows = [mhd._describe(mhd._Spec(None, True, "zigzag", 0.5), q, k, k, None, "forward", True) for _ in range(4)]
+    rows = [mhd._describe(_Spec(None, True, "zigzag", 0.5), q, k, k, None, "forward", True) for _ in range(4)]
     for r, fields in changes.items():
         for i, value in fields.items():
             rows[r][i] = value

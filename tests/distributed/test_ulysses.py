@@ -18,7 +18,7 @@ import torch.distributed as dist
 import multihead as mh
 from multihead import masks
 from multihead.distributed import shard_sequence, unshard_sequence
-from multihead.ulysses import ulysses_attention
+from multihead.distributed import ulysses_attention
 
 P = 2
 B, H, HKV, D = 2, 4, 2, 8

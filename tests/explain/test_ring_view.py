@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-import multihead.distributed as D
+import multihead.distributed.ring as D
 from multihead import masks
 from multihead.cli import main
 from multihead.distributed import DocumentLayout, rank_work, ring_plan, shard_positions

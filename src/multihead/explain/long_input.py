@@ -28,8 +28,10 @@ from html import escape
 from typing import Any, Optional
 
 from .i18n import word
-from .models import MAX_TOKENS, LongRun
-from .real_model import _fit
+from .records import LongRun
+from .recording import MAX_TOKENS
+from .model_text import _fit
+from .visual import Fragment, HeadMaps
 
 __all__ = ["long_text", "long_maps", "summary_fragment"]
 
@@ -84,8 +86,6 @@ def long_maps(run: LongRun, layer: int, *, model: str, lang: str = "en") -> list
     """The heat maps of ``layer`` at the chosen rows: one
     :class:`~multihead.explain.visual.HeadMaps` of weights (H, R, L), the rows' tokens on the
     query axis, each head labelled with its summary (top key, its mean weight, entropy)."""
-    from .visual import HeadMaps
-
     s = run.summary()
     rec = run.layers[layer]
     keep = rec.keep
@@ -109,8 +109,6 @@ def _short(text: str, n: int = 60) -> str:
 def summary_fragment(run: LongRun) -> Any:
     """Every layer x head's summary over the rows as a table, a section of the page
     (:class:`~multihead.explain.visual.Fragment`) in both languages."""
-    from .visual import Fragment
-
     s = run.summary()
     info = run.info
 

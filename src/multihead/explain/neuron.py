@@ -27,7 +27,9 @@ from typing import Any, Optional
 import torch
 
 from .i18n import word
-from .models import RealRun
+from .layer_attention import scale_words
+from .records import RealRun
+from .visual import Fragment
 
 __all__ = ["Rotary", "NeuronView", "neuron_view", "render_text", "neuron_html", "neuron_fragment", "neuron_page",
            "SHOWN_DIMS"]
@@ -176,8 +178,6 @@ def _group_line(view: NeuronView, lang: str) -> str:
 # ---------------------------------------------------------------------------- text
 def _scale_text(view: NeuronView, lang: str) -> str:
     """The layer's scale and where it is applied (:func:`.layer_attention.scale_words`)."""
-    from .layer_attention import scale_words
-
     if view.attention is None:
         return _w("scale_plain", lang, scale=view.scale)
     return scale_words(view.attention, lang)
@@ -344,8 +344,6 @@ def neuron_html(view: NeuronView, lang: str = "en") -> str:
 def neuron_fragment(view: NeuronView) -> Any:
     """The view as a section of the explain page (a :class:`multihead.explain.visual.Fragment`),
     in both languages: the page's language switch shows one."""
-    from .visual import Fragment
-
     body = "".join(f'<div data-l="{lg}" lang="{lg}">{neuron_html(view, lg)}</div>' for lg in ("en", "zh"))
     return Fragment("neuron", {lg: _w("section", lg) for lg in ("en", "zh")}, body)
 
