@@ -198,16 +198,6 @@ def _add_bias(bias: torch.Tensor) -> ScoreMod:
     return add_bias
 
 
-def _alibi(slopes: torch.Tensor, diagonal: torch.Tensor) -> ScoreMod:
-    """s - slope[h] |kv - d[b, q]|, d the row's diagonal key (per document; masks.ALiBi)."""
-    per_batch = diagonal.shape[0] > 1
-
-    def alibi(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        d = diagonal[b if per_batch else 0, q]
-        return s - (slopes[b, h] if slopes.dim() == 2 else slopes[h]) * (kv - d).abs().to(s.dtype)
-    return alibi
-
-
 def _chain(mods: Sequence[ScoreMod]) -> ScoreMod:
     mods = tuple(mods)
 
@@ -258,7 +248,8 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
     """
     if mask is None:
         return Translation(None, None, None, ())
-    shape = tuple(int(n) for n in shape)
+    shape4 = (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))  # (B, H, Lq, Lk) as ints
+    shape = shape4
     _, _, lq, lk = shape
     parts = mask.parts
     selects: list[MaskMod] = []
@@ -272,13 +263,10 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
     for part in parts:
         if part.is_structural or part.role in ("modify", "denominator"):
             continue
-        if isinstance(part, _masks.MaskMod):
-            selects.append(part.fn)
-            described.append(f"{part!r} -> mask_mod (the function itself)")
-        elif isinstance(part, _masks.ALiBi):
-            diagonal = mask.row_diagonals(shape, part.align).to(device)
-            adds.append(_alibi(part.slopes.to(device=device, dtype=dtype), diagonal))
-            described.append("alibi -> score_mod (slope x distance to the diagonal)")
+        own = part.flex_mod(mask, shape4, device=device, dtype=dtype)  # the kind's own translation
+        if own is not None:
+            (selects if part.role == "select" else adds).append(own[0])
+            described.append(own[1])
         else:  # a tensor part (keep, key_padding, bias, nn.MultiheadAttention's 3-D mask): look it up
             built = part.materialize(shape, device=device, dtype=dtype)
             keep_t, bias_t = built.keep, built.bias

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence, Union, cast, overload
+from typing import Callable, ClassVar, Optional, Sequence, Union, cast, overload
 
 import torch
 
@@ -363,6 +363,16 @@ class Mask:
     def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         tensor = getattr(self, "tensor", None)
         return tuple(shape[-2:]) if tensor is None else tuple(tensor.shape)
+
+    def flex_mod(
+        self, mask: "Mask", shape: tuple[int, int, int, int], *, device: torch.device, dtype: torch.dtype
+    ) -> Optional[tuple[Callable[..., torch.Tensor], str]]:
+        """This part as a FlexAttention function for its role, a ``mask_mod(b, h, q_idx, kv_idx)``
+        for "select" or a ``score_mod(score, b, h, q_idx, kv_idx)`` for "add", and the words
+        flex's translation says of it; ``mask``: the whole mask (its documents place the rows),
+        ``dtype``: the compute dtype. None (the default): flex looks the part's tensor up, and
+        a structural part's intervals are looked up for all of them at once."""
+        return None
 
     def _dense_dims(self, shape: Shape) -> int:
         """How many axes this part's own dense tensor has (`materialize` gives that many)."""

@@ -137,6 +137,11 @@ class MaskMod(Mask):
     def _dense_dims(self, shape: Shape) -> int:
         return 4  # what `_evaluate` returns, without evaluating the function
 
+    def flex_mod(
+        self, mask: Mask, shape: tuple[int, int, int, int], *, device: torch.device, dtype: torch.dtype
+    ) -> Optional[tuple[Callable[..., torch.Tensor], str]]:
+        return self.fn, f"{self!r} -> mask_mod (the function itself)"  # FlexAttention's signature is ours
+
     def own_plan(self, shape: Shape, device: Optional[torch.device] = None) -> "BlockPlan":
         """The block plan of this function alone for ``shape``: made once, and made again when a
         tensor the function reads (`_captured`) is another tensor or holds other values than

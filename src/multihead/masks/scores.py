@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import ClassVar, Optional, Sequence, Union
+from typing import Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
@@ -164,6 +164,20 @@ class ALiBi(Mask):
 
     def _dense_shape(self, shape: Shape) -> tuple[int, ...]:
         return (shape[0] if self.slopes.dim() == 2 else 1, shape[1], shape[2], shape[3])
+
+    def flex_mod(
+        self, mask: Mask, shape: tuple[int, int, int, int], *, device: torch.device, dtype: torch.dtype
+    ) -> Optional[tuple[Callable[..., torch.Tensor], str]]:
+        """``s - slope[h] |kv - d[b, q]|``, d the row's diagonal key (per document, from ``mask``)."""
+        diagonal = mask.row_diagonals(shape, self.align).to(device)
+        slopes = self.slopes.to(device=device, dtype=dtype)
+        per_batch = diagonal.shape[0] > 1
+
+        def alibi(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            d = diagonal[b if per_batch else 0, q]
+            return s - (slopes[b, h] if slopes.dim() == 2 else slopes[h]) * (kv - d).abs().to(s.dtype)
+
+        return alibi, "alibi -> score_mod (slope x distance to the diagonal)"
 
     def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         if self.slopes.shape[-1] != shape[1]:
