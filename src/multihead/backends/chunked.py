@@ -29,7 +29,8 @@ from .. import trace as _trace
 from .._checks import check_positive_int, check_qkv, check_scale
 from .._numerics import autocast_inputs, compute_dtype, outside_autocast
 from ..masks import Mask, as_mask
-from . import Backend, Call, _tiles, register
+from . import _tiles
+from .registry import Backend, Call, register
 from . import native as _native
 from ._tiles import BLOCKS_COMPUTED, _runs
 
@@ -231,5 +232,4 @@ BACKEND = register(
         describe=_describe,
         lse_fn=_backend_lse_fn,
     ),
-    auto_rank=1,
 )

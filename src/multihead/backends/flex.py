@@ -78,7 +78,8 @@ from .. import masks as _masks
 from .._checks import check_positive_int
 from .._numerics import compute_dtype
 from ..masks import Mask, MaskLike, as_mask
-from . import Backend, Call, register
+from . import chunked as _chunked
+from .registry import Backend, Call, register
 
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
     from torch.nn.attention.flex_attention import BlockMask
@@ -582,10 +583,9 @@ def _refuses(call: Call) -> Optional[str]:
 def _auto_declines(call: Call) -> Optional[str]:
     """``auto`` reaches flex only where sdpa refused or declined the call (sdpa comes first);
     flex then takes it where it was measured faster than what comes next (chunked, reference)."""
-    from .chunked import AUTO_MIN_SCORES
     lq, lk = call.q.shape[2], call.k.shape[2]
-    if lq * lk < AUTO_MIN_SCORES:
-        return (f"Lq·Lk = {lq * lk} is below chunked.AUTO_MIN_SCORES = {AUTO_MIN_SCORES}: a dense kernel "
+    if lq * lk < _chunked.AUTO_MIN_SCORES:
+        return (f"Lq·Lk = {lq * lk} is below chunked.AUTO_MIN_SCORES = {_chunked.AUTO_MIN_SCORES}: a dense kernel "
                 "is faster than compiling one at this size")
     if call.q.device.type != "cpu":
         return None
@@ -627,5 +627,4 @@ BACKEND = register(
         auto_declines=_auto_declines,
         describe=_describe,
     ),
-    auto_rank=1,
 )

@@ -32,7 +32,7 @@ from .. import trace as _trace
 from .._numerics import compute_dtype, finite_row_max, is_default_scale
 from ..heads import REPEAT_KV_PATTERN, repeat_kv
 from ..masks import Mask
-from . import Backend, Call, register
+from .registry import Backend, Call, register
 
 _NEG_INF = float("-inf")
 SCORES_PATTERN = "b h q d, b h k d -> b h q k"
@@ -209,5 +209,4 @@ BACKEND = register(
         summary="plain tensor ops in the tutorials' order; materialises the (B, H, Lq, Lk) scores",
         lse_fn=reference_attention_lse,
     ),
-    auto_rank=0,
 )

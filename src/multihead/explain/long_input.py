@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from .i18n import word
 from .models import MAX_TOKENS, LongRun
-from .real_model import _fit
+from .text_width import fit as _fit
 
 __all__ = ["long_text", "long_maps", "summary_fragment"]
 

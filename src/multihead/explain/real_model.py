@@ -25,7 +25,6 @@ most labelled heads, the earliest on a tie).
 from __future__ import annotations
 
 import importlib.util  # noqa: F401  (the tests patch importlib.util.find_spec through this module)
-import unicodedata
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -39,8 +38,10 @@ from .._progress import progress
 from . import UsageError, check_out, write_output
 from . import models as _models
 from .i18n import word
+from .long_input import long_maps, long_text, summary_fragment
 from .models import LayerRecord, LongRun, ModelError, RealRun
 from .patterns import PATTERNS, label_heads, pattern_name, pattern_scores
+from .text_width import WIDTH, display_width, fit as _fit
 
 __all__ = [
     "PATTERNS",
@@ -62,7 +63,6 @@ __all__ = [
 ]
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
-WIDTH = 100
 
 
 
@@ -99,25 +99,6 @@ _SHADES = ((0.05, "·"), (0.15, "░"), (0.35, "▒"), (0.60, "▓"), (float("in
 
 def _shade(x: float) -> str:
     return next(ch for limit, ch in _SHADES if x < limit)
-
-
-def display_width(line: str) -> int:
-    """Terminal columns of ``line``: wide (CJK) characters take two."""
-    return sum(2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in line)
-
-
-def _fit(line: str) -> str:
-    """``line`` cut to :data:`WIDTH` terminal columns, ending in … when cut."""
-    if display_width(line) <= WIDTH:
-        return line
-    out, used = [], 0
-    for ch in line:
-        w = display_width(ch)
-        if used + w > WIDTH - 1:
-            break
-        out.append(ch)
-        used += w
-    return "".join(out) + "…"
 
 
 def render_heatmap(tokens: list[str], w: torch.Tensor, title: str, *, top: int = 2,
@@ -288,8 +269,6 @@ def run(args, stdout) -> int:
     out = check_out(getattr(args, "out", None))
     real = _real(args)
     if isinstance(real, LongRun):
-        from .long_input import long_text
-
         write_output("\n".join(long_text(real, args.layer, args.head, lang)) + "\n", out, stdout)
         return 0
     if getattr(args, "neuron", False):
@@ -720,8 +699,6 @@ def _render_long(real: LongRun, *, model: str, layer: Optional[int], head: Optio
     """A long text's page: the chosen rows of ``layer`` (default 0) per head, opened at ``head``
     (default 0), and every layer x head's summary (:mod:`.long_input`)."""
     from . import visual
-    from .long_input import long_maps, summary_fragment
-
     real.check_indices(layer=layer, head=head)
     maps = long_maps(real, _or(layer, 0), model=model, lang=lang)
     return visual.render_html(None, maps, lang=lang, group="layer", start=0, head=_or(head, 0),
