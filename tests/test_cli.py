@@ -38,10 +38,10 @@ def test_only_the_cli_knows_argparse():
 def test_the_walkthrough_runs_from_typed_options_and_refuses_a_namespace():
     out = io.StringIO()
     options = Options(format="markdown", lang="zh", example=ExampleConfig(heads=4, tokens=2))
-    assert walkthrough.run(options, out) == 0
+    assert walkthrough.command(options, out) == 0
     assert out.getvalue().startswith("# multihead explain：") and "4 个头" in out.getvalue()
     with pytest.raises(TypeError, match="options must be a multihead.explain.options.Options, got Namespace"):
-        walkthrough.run(argparse.Namespace(format="text"), io.StringIO())
+        walkthrough.command(argparse.Namespace(format="text"), io.StringIO())
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -18,7 +18,7 @@ What is shown:
 
 Reusable pieces: :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``;
 :func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer for
-``--format html|png`` (:func:`run_visual`), opened at :func:`default_layer` (the layer with the
+``--format html|png`` (:func:`command_visual`), opened at :func:`default_layer` (the layer with the
 most labelled heads, the earliest on a tie).
 """
 
@@ -54,8 +54,8 @@ __all__ = [
     "layer_maps",
     "layer_walkthrough",
     "model_summary",
-    "run",
-    "run_visual",
+    "command",
+    "command_visual",
     "ModelPage",
     "explain_model",
     "AttentionsPage",
@@ -259,9 +259,9 @@ def _real(args) -> "RealRun | LongRun":
     return real
 
 
-def run(args, stdout) -> int:
+def command(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] [--head H] [--token T | --neuron]
-    [--lang zh] [--out FILE]``: the text report (``--format html|png`` go to :func:`run_visual`)."""
+    [--lang zh] [--out FILE]``: the text report (``--format html|png`` go to :func:`command_visual`)."""
     lang = getattr(args, "lang", "en")
     fmt = getattr(args, "format", "text")
     if fmt != "text":
@@ -616,7 +616,7 @@ def _page_parts(real: RealRun, *, model: str, layer: Optional[int], head: Option
     return maps, fragments, start, _or(head, 0)
 
 
-def run_visual(args, stdout) -> int:
+def command_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default

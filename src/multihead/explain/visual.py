@@ -46,7 +46,7 @@ from .i18n import check_name, describe_step, note_text, step_title, trace_sizes,
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "weights8", "bits8", "render_html", "step_kind", "prepare",
-           "write", "run"]
+           "write", "command"]
 
 
 @dataclass
@@ -618,7 +618,7 @@ def write(
     return 0
 
 
-def run(args: Options, stdout) -> int:
+def command(args: Options, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
     The example is the walkthrough the text formats print (:func:`.walkthrough.example_walkthrough`): the

@@ -42,7 +42,7 @@ __all__ = [
     "render_text",
     "render_markdown",
     "render_json",
-    "run",
+    "command",
     "WIDTH",
 ]
 
@@ -491,7 +491,7 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
 
 
 # ---------------------------------------------------------------------------------- CLI entry
-def run(options: Options, stdout) -> int:
+def command(options: Options, stdout) -> int:
     """``multihead explain`` for the text, json and markdown formats of ``options.example``.
     Returns the exit code: 0 when every check held, 1 when one failed. An ``out`` that cannot
     be written raises UsageError (a ValueError) before any work."""
@@ -500,7 +500,7 @@ def run(options: Options, stdout) -> int:
                         "(multihead.cli.parse_options builds one from command-line flags)")
     if options.format not in ("text", "json", "markdown"):
         raise ValueError(f"the walkthrough writes text, json or markdown, not {options.format!r}; "
-                         "html and png are multihead.explain.visual.run")
+                         "html and png are multihead.explain.visual.command")
     out = check_out(options.out)
     w = example_walkthrough(options.example, per_head=options.per_head, cost=options.cost)
     lang, values = options.lang, options.values
