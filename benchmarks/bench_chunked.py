@@ -50,7 +50,7 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:  # this checkout's multihead, in
     sys.path.insert(0, str(_SRC))
 
 from multihead import masks
-from multihead.backends import _tiles, chunked, native
+from multihead.backends import _tiles, chunked, cpu_threads, native
 
 try:
     from . import harness as _h  # as part of the benchmarks package (python -m benchmarks)
@@ -158,7 +158,7 @@ DOCS, DOC_LEN = 8, 1024
 def bare_tile_loop(q, k, v, block: int = 256):
     """The torch calls of a causal forward's tiles and nothing else, for scale: per tile of
     ``block`` queries x ``block`` keys (8 heads batched) one product, the shift, exp2, the row
-    sums and the second product, on the tile kernel's threads (``_tiles._share``, query blocks
+    sums and the second product, on the tile kernel's threads (``cpu_threads.share``, query blocks
     dealt out as there). No masking (diagonal tiles are computed whole) and no bookkeeping, so
     the result is not attention: its time is what those torch calls cost by themselves."""
     B_, H_, L, D_ = q.shape
@@ -167,10 +167,10 @@ def bare_tile_loop(q, k, v, block: int = 256):
     shift = torch.zeros(B_ * H_, L, 1)
     acc, total = torch.zeros(B_ * H_, L, D_), torch.zeros(B_ * H_, L, 1)
     blocks = L // block
-    workers = _tiles._workers(blocks, q3, k3, v3)
+    workers = cpu_threads.workers_for(blocks, q3, k3, v3)
 
     def work(w):
-        mine = [i for i in range(blocks) if _tiles._worker_of(i, workers) == w]
+        mine = [i for i in range(blocks) if cpu_threads.worker_of(i, workers) == w]
         for j in range(blocks):
             for i in mine:
                 if i < j:
@@ -183,7 +183,7 @@ def bare_tile_loop(q, k, v, block: int = 256):
                 total[:, rows].add_(s.sum(dim=-1, keepdim=True))
                 acc[:, rows].add_(torch.bmm(s, v3[:, keys]))
 
-    _tiles._share(work, workers)
+    cpu_threads.share(work, workers)
     return acc / total
 
 

@@ -17,8 +17,9 @@ Public surface:
 * :class:`MultiHeadAttention`, :class:`PerHeadAttention` -- modules
 * :class:`multihead.nn.MultiheadAttention` -- a drop-in for ``torch.nn.MultiheadAttention``
 * :func:`trace` -- record the steps of a real forward pass
-* :func:`explain` -- the step-by-step walkthrough of your own module or trace (text, Markdown,
-  JSON, HTML, inline in Jupyter); loaded on first use
+* :func:`explain_module` -- the step-by-step walkthrough of your own module or trace (text,
+  Markdown, JSON, HTML, inline in Jupyter); :mod:`multihead.explain` is the package that draws
+  it (and ``multihead explain``, the command); both loaded on first use
 * :func:`diagnose` -- find the first wrong step of your own attention module (loaded on first use)
 * :class:`KVCache`, :class:`StaticKVCache`, :class:`KVCaches`, :class:`RoPE` -- step-by-step
   decoding (eager and compiled, one cache per layer) and rotary position embeddings
@@ -32,12 +33,14 @@ from .functional import attention, attention_weights, explain_dispatch, merge
 from .module import MultiHeadAttention
 from .per_head import PerHeadAttention
 from .rope import RoPE
+from . import trace as _trace
 from .trace import Trace, trace
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .explain.explanation import explain
+    from . import explain
+    from .explain.explanation import explain_module
     from .diagnose import diagnose
     from .explain.real_model import explain_model
 
@@ -64,20 +67,38 @@ __all__ = [
     "PagedKVCache",
     "RoPE",
     "explain",
+    "explain_module",
     "diagnose",
     "explain_model",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """``multihead.explain`` and ``multihead.explain_model``, imported on first use (``import multihead`` stays light: the
-    walkthrough's renderers load only when asked for)."""
+    """``multihead.explain`` (the package), ``explain_module``, ``explain_model`` and ``diagnose``,
+    imported on first use (``import multihead`` stays light: the walkthrough's renderers load only
+    when asked for). This front door sits above the explain and diagnose packages, so these
+    imports point the one way."""
     if name in ("explain", "diagnose"):
         import importlib
 
-        return importlib.import_module("." + name, __name__)  # the package is callable: explain(...), diagnose(...)
+        return importlib.import_module("." + name, __name__)  # diagnose: the package is callable, diagnose(...)
+    if name == "explain_module":  # your own module's walkthrough: multihead.explain_module(mha, x)
+        from .explain.explanation import explain_module
+
+        return explain_module
     if name == "explain_model":   # a real model's page: multihead.explain_model("smollm2", "The cat sat.")
         from .explain.real_model import explain_model
 
         return explain_model
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _trace_html(tr: Trace) -> str:
+    """A trace's cell in Jupyter: the walkthrough page in an iframe (:mod:`multihead.explain.notebook`,
+    imported at the first display)."""
+    from .explain.notebook import trace_html
+
+    return trace_html(tr)
+
+
+_trace.html_renderer = _trace_html

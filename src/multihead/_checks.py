@@ -179,12 +179,6 @@ def check_indices(value, size: int, name: str, what: str) -> list:
     return out
 
 
-def check_choice(value, name: str, choices) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
-    return value
-
-
 def _autocast_mixable(a: torch.dtype, b: torch.dtype) -> bool:
     """Inside autocast, tensors of these two dtypes meet in one product (autocast casts both)."""
     return a in AUTOCAST_ELIGIBLE and b in AUTOCAST_ELIGIBLE

@@ -321,16 +321,16 @@ def parse_options(argv: Sequence[str]) -> Options:
 
 
 def _explain(options: Options, stdout) -> int:
-    run: object
+    command: object
     if options.model is not None and options.format in ("html", "png"):
-        from .explain.real_model import run_visual as run
+        from .explain.real_model import command_visual as command
     elif options.model is not None:
-        from .explain.real_model import run
+        from .explain.real_model import command
     elif options.format in ("html", "png"):
-        from .explain.visual import run
+        from .explain.visual import command
     else:
-        from .explain.walkthrough import run
-    return run(options, stdout)  # type: ignore[operator]
+        from .explain.walkthrough import command
+    return command(options, stdout)  # type: ignore[operator]
 
 
 def main(argv: Optional[Sequence[str]] = None, *, stdout=None, stderr=None) -> int:

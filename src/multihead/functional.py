@@ -7,7 +7,7 @@ Dv value head dim.
 from __future__ import annotations
 
 import warnings
-from typing import Literal, Optional, Sequence, Union, overload
+from typing import Any, Literal, Optional, Sequence, Union, overload
 
 import torch
 
@@ -29,7 +29,18 @@ Indices = Union[Sequence[int], torch.Tensor]
 __all__ = ["attention", "attention_weights", "explain_dispatch", "merge"]
 
 
-def _prepare(
+def prepare_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: Optional[float], dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[Mask], float, float]:
+    """The public edge's checks: ``(q, k, v, mask, scale, dropout_p)`` validated, the mask as a Mask
+    (or None) checked against the call's shapes, and q, k, v in autocast's dtype inside an autocast
+    region: the arguments of :func:`attention_core`, in its order."""
+    q, k, v = autocast_inputs(q, k, v)
+    m, scale, dropout_p = _checked(q, k, v, mask, scale, dropout_p)
+    return q, k, v, m, scale, dropout_p
+
+
+def _checked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: Optional[float], dropout_p: float
 ) -> tuple[Optional[Mask], float, float]:
     check_qkv(q, k, v)
@@ -128,11 +139,8 @@ def attention(
         return _attention_nested(q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=backend, return_lse=return_lse)
     if _needs_flattening(q, k, v):
         return _attention_leading(q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=backend, return_lse=return_lse)
-    q, k, v = autocast_inputs(q, k, v)
-    m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
-    if return_lse:
-        return attend_with_lse(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
-    return attend(q, k, v, m, scale=scale, dropout_p=dropout_p, backend=backend)
+    return attention_core(*prepare_inputs(q, k, v, mask, scale, dropout_p), backend,
+                          returns="lse" if return_lse else "out")
 
 
 def _needs_flattening(q: object, k: object, v: object) -> bool:
@@ -212,18 +220,6 @@ def _attention_nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: M
     return nest(out) if lse is None else (nest(out), nest(lse))
 
 
-def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float,
-                    dropout_p: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend` for ``return_lse=True``: ``(out, lse)`` from a backend that gives the lse."""
-    tr = _trace.current()
-    chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p, need_lse=True), tr)
-    if tr is not None:
-        tr.set_config(backend=chosen.name)
-    assert chosen.lse_fn is not None, "resolve refuses backends without lse_fn for need_lse"
-    with outside_autocast(device_type(q)):
-        return chosen.lse_fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-
-
 def merge(outputs: Union[Sequence[torch.Tensor], torch.Tensor],
           lses: Union[Sequence[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention over disjoint key sets into attention over their union, exactly.
@@ -288,33 +284,61 @@ def _parts(x: object, name: str) -> list[torch.Tensor]:
     return parts
 
 
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[Mask],
-    *,
-    scale: float,
-    dropout_p: float,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """The trusted core behind `attention` and the module: resolve the backend and run it.
+_LOOK_UP = object()  # attention_core's tr default: look the recording trace up
 
-    Arguments arrive validated (``mask`` a Mask or None, ``scale`` a float) and, inside an
-    autocast region, already in autocast's dtype (`multihead._numerics.autocast_inputs`);
-    the backend itself runs with autocast off, so that it computes as it documents (scores and
-    softmax in float32 for half inputs, biases at their own precision) in and out of autocast.
+
+@overload
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], scale: float,
+                   dropout_p: float, backend: str = "auto", *, returns: Literal["out"] = "out",
+                   tr: Any = _LOOK_UP) -> torch.Tensor: ...
+@overload
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], scale: float,
+                   dropout_p: float, backend: str = "auto", *, returns: Literal["lse", "weights"],
+                   tr: Any = _LOOK_UP) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], scale: float,
+                   dropout_p: float, backend: str = "auto", *, returns: str = "out",
+                   tr: Any = _LOOK_UP) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The trusted core behind `attention`, the module and the integrations: resolve the backend
+    and run it.
+
+    >>> import torch
+    >>> from multihead.functional import attention_core, prepare_inputs
+    >>> q = torch.randn(1, 2, 3, 8)                                 # (B, H, L, D)
+    >>> out, weights = attention_core(*prepare_inputs(q, q, q, None, None, 0.0), returns="weights")
+    >>> out.shape, weights.shape
+    (torch.Size([1, 2, 3, 8]), torch.Size([1, 2, 3, 3]))
+
+    Arguments arrive validated (:func:`prepare_inputs`: ``mask`` a Mask or None, ``scale`` a
+    float) and, inside an autocast region, already in autocast's dtype; the backend itself runs
+    with autocast off, so that it computes as it documents (scores and softmax in float32 for half
+    inputs, biases at their own precision) in and out of autocast.
+
+    returns: "out" (B, H, Lq, Dv); "lse": ``(out, lse)`` from a backend that gives the
+    log-sum-exp (B, H, Lq); "weights": ``(out, weights)`` (B, H, Lq, Lk) from the reference
+    backend, which alone returns the weights it applied (``backend`` is not read).
+    tr: the recording :class:`multihead.Trace` (or None), for a caller that looked it up already.
     """
-    return _attend(q, k, v, mask, scale, dropout_p, backend, _trace.current())
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], scale: float,
-            dropout_p: float, backend: str, tr: Optional[_trace.Trace]) -> torch.Tensor:
-    """:func:`attend`, for a caller that looked up the trace (``tr``, or None) already."""
-    chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p), tr)
+    if tr is _LOOK_UP:
+        tr = _trace.current()
+    if returns == "weights":
+        warn_once_if_dense_weights_are_large(q, k)
+        if tr is not None:
+            tr.set_config(backend="reference")
+        with outside_autocast(device_type(q)):
+            return _reference.forward_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    if returns not in ("out", "lse"):
+        raise ValueError(f"returns must be 'out', 'lse' or 'weights', got {returns!r}")
+    need_lse = returns == "lse"
+    chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p, need_lse=need_lse), tr)
     if tr is not None:
         tr.set_config(backend=chosen.name)
     device = device_type(q)
+    if need_lse:
+        assert chosen.lse_fn is not None, "resolve refuses backends without lse_fn for need_lse"
+        with outside_autocast(device):
+            return chosen.lse_fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
     if autocast_dtype(device) is None:  # autocast is off: no context to enter
         return chosen.fn(q, k, v, mask, scale=scale, dropout_p=dropout_p)
     with outside_autocast(device):
@@ -339,34 +363,6 @@ def warn_once_if_dense_weights_are_large(q: torch.Tensor, k: torch.Tensor) -> No
         "with multihead.attention_weights(q, k, heads=..., rows=...). Shown once per process.",
         UserWarning, stacklevel=2,
     )
-
-
-def attention_with_weights(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: MaskLike = None,
-    *,
-    scale: Optional[float] = None,
-    dropout_p: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, weights)`` from the reference backend; weights (B, H, Lq, Lk) are those applied."""
-    q, k, v = autocast_inputs(q, k, v)
-    m, scale, dropout_p = _prepare(q, k, v, mask, scale, dropout_p)
-    return attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
-
-
-def attend_with_weights(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trusted core behind `attention_with_weights` and ``return_weights=True``:
-    the reference backend, which alone returns the weights it applied. Inputs as for `attend`."""
-    warn_once_if_dense_weights_are_large(q, k)
-    tr = _trace.current()
-    if tr is not None:
-        tr.set_config(backend="reference")
-    with outside_autocast(device_type(q)):
-        return _reference.attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
 
 def attention_weights(
@@ -437,6 +433,6 @@ def explain_dispatch(
     ``multihead.backends.chunked.AUTO_MIN_SCORES``. The call is planned, not run: nothing of
     size (Lq, Lk) is built.
     """
-    m, _, dropout_p = _prepare(q, k, v, mask, None, dropout_p)
+    m, _, dropout_p = _checked(q, k, v, mask, None, dropout_p)
     return _backends.explain_dispatch_call(_backends.Call(q, k, v, m, dropout_p, bool(need_weights), compiling,
                                                           bool(need_lse)))

@@ -17,12 +17,6 @@ import torch
 from . import steps as _steps
 from . import trace as _trace
 
-SPLIT_PATTERN = _steps.SPLIT_HEADS.pattern
-MOVE_FORWARD_PATTERN = _steps.MOVE_HEADS_FORWARD.pattern
-MOVE_BACK_PATTERN = _steps.MOVE_HEADS_BACK.pattern
-MERGE_PATTERN = _steps.MERGE_HEADS.pattern
-REPEAT_KV_PATTERN = _steps.REPEAT_KV.pattern
-
 
 def split_heads(x: torch.Tensor, num_heads: int, *, role: str = "") -> torch.Tensor:
     """(B, L, H*D) -> (B, H, L, D), as a view: ``'b t (h d) -> b h t d'``."""

@@ -823,8 +823,8 @@ class MultiHeadAttention(nn.Module):
         dropout_p = cfg.dropout if self.training else 0.0
         scale = self._scale
         if return_weights:
-            return _functional.attend_with_weights(q, k, v, m, scale=scale, dropout_p=dropout_p)
-        return _functional._attend(q, k, v, m, scale, dropout_p, cfg.backend, tr), None
+            return _functional.attention_core(q, k, v, m, scale, dropout_p, returns="weights", tr=tr)
+        return _functional.attention_core(q, k, v, m, scale, dropout_p, cfg.backend, tr=tr), None
 
     def _merge_output(self, o, tr, plain: Optional[bool] = None) -> torch.Tensor:
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""

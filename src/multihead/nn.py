@@ -62,7 +62,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks as _masks
 from ._checks import check_dropout, check_positive_int, check_tensor
-from .functional import attention, attention_with_weights
+from .functional import attention, attention_core, prepare_inputs
 from .heads import merge_heads, split_heads
 from .integrations.torch_mha import load_multihead_state_dict
 
@@ -263,7 +263,7 @@ class MultiheadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
-            o, weights = attention_with_weights(q, k, v, mask, dropout_p=dropout_p)
+            o, weights = attention_core(*prepare_inputs(q, k, v, mask, None, dropout_p), returns="weights")
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         else:

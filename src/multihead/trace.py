@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from . import steps as _steps
 
-__all__ = ["trace", "Trace", "Step", "Call", "current"]
+__all__ = ["trace", "Trace", "Step", "ModuleCall", "current"]
 
 class _Active(threading.local):
     """This thread's stack of active traces. The class attribute is what a thread that never
     entered a trace reads: no per-thread lookup that fails (``getattr(local, name, None)``
-    raises and catches an AttributeError, ~1 us, on every forward of every module)."""
+    raises and catches an AttributeError on every forward of every module)."""
 
     stack: "list[Trace]" = []
 
@@ -136,8 +136,15 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+#: How a :class:`Trace` shows itself in Jupyter (``Trace._repr_html_``): ``html_renderer(trace)``
+#: returns the HTML of one output cell. The package's front door (``import multihead``) installs
+#: :func:`multihead.explain.notebook.trace_html`, loaded on first display; the trace module
+#: itself imports nothing of the explain package (imports point one way).
+html_renderer: Optional[Callable[["Trace"], str]] = None
+
+
 @dataclass
-class Call:
+class ModuleCall:
     """One forward call of a module inside a trace: its path under the root, layer index, config."""
 
     path: str
@@ -153,7 +160,7 @@ class Trace:
         self.root = root
         self.steps: list[Step] = []
         self.config: dict[str, Any] = {}
-        self.calls: list[Call] = []
+        self.calls: list[ModuleCall] = []
         self._open: Optional[int] = None  # index into calls of the module call now running
         self._pending: dict[str, Any] = {}  # set_config values for the next call
         self._layers: dict[int, int] = {}  # id(module) -> its order of first appearance
@@ -225,7 +232,7 @@ class Trace:
         layer = _layer_of(path)
         if layer is None:
             layer = self._layers.setdefault(id(module), len(self._layers))
-        self.calls.append(Call(path, layer, dict(self._pending)))
+        self.calls.append(ModuleCall(path, layer, dict(self._pending)))
         self._pending = {}
         self._open = len(self.calls) - 1
 
@@ -343,12 +350,10 @@ class Trace:
         return _steps.singular_ones(f"<multihead.Trace: {len(self.steps)} steps in {max(len(self.calls), 1)} calls, "
                                     f"checks {sum(checks.values())}/{len(checks)} hold; print() for the steps>")
 
-    def _repr_html_(self) -> str:
-        """Jupyter's inline display: the walkthrough page of this trace in an isolated iframe
-        (:mod:`multihead.explain.notebook`, imported only when a notebook asks)."""
-        from .explain.notebook import trace_html
-
-        return trace_html(self)
+    def _repr_html_(self) -> Optional[str]:
+        """Jupyter's inline display: the walkthrough page of this trace in an isolated iframe, drawn
+        by :data:`html_renderer` (None: Jupyter shows the repr)."""
+        return None if html_renderer is None else html_renderer(self)
 
     # -- context manager
     def __enter__(self) -> "Trace":

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import _tiles, chunked, sdpa
+from multihead.backends import _tiles, chunked, cpu_threads, sdpa
 from multihead.backends.chunked import chunked_attention
 from oracle import dense as oracle_dense
 from oracle import (MaskPart, deterministic_algorithms, judge, naive_attention, parametrize_tile_kernels, score_size,
@@ -283,9 +283,9 @@ def test_dense_shape_is_computed_without_building():
 
 
 def count_blocks(fn):
-    chunked.BLOCKS_COMPUTED.clear()
-    fn()
-    return dict(chunked.BLOCKS_COMPUTED)
+    with _tiles.counting() as counts:
+        fn()
+    return dict(counts)
 
 
 def test_causal_computes_about_half_the_tiles_and_backward_the_same():
@@ -516,9 +516,9 @@ def test_scores_far_above_the_first_tiles_shift_are_redone_exactly(dtype, jump, 
     keep[3, :10] = False  # row 3 sees nothing in the first tile
     expect, _ = attention64(q, k, v, keep)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    chunked.BLOCKS_COMPUTED.clear()
-    out = chunked_attention(q, k, v, keep, block_q=4, block_k=10)
-    redone = chunked.BLOCKS_COMPUTED["redone"]
+    with _tiles.counting() as counts:
+        out = chunked_attention(q, k, v, keep, block_q=4, block_k=10)
+    redone = counts["redone"]
     assert redone == 0 if jump < math.log(torch.finfo(dtype).max) / 2 else redone > 0
     assert torch.isfinite(out).all()
     err = (out.double() - expect).abs().max().item()
@@ -539,10 +539,10 @@ def test_the_forward_runs_again_only_when_a_row_sum_passed_the_limit(jump, runs,
     k[:, :, 12:] = q[:, :, :1] * jump * 2
     q, k, v = q.float(), k.float(), v.float()
     tiles = math.ceil(9 / 4) * math.ceil(30 / 10)
-    chunked.BLOCKS_COMPUTED.clear()
-    out = chunked_attention(q, k, v, block_q=4, block_k=10)
-    assert chunked.BLOCKS_COMPUTED["forward"] == runs * tiles
-    assert (chunked.BLOCKS_COMPUTED["redone"] > 0) == (runs == 2)
+    with _tiles.counting() as counts:
+        out = chunked_attention(q, k, v, block_q=4, block_k=10)
+    assert counts["forward"] == runs * tiles
+    assert (counts["redone"] > 0) == (runs == 2)
     verdict = judged("rerun", out, q, k, v)
     assert verdict.ok, str(verdict)
 
@@ -618,8 +618,10 @@ def test_chunked_shift_survives_alibi_with_left_padding():
 @pytest.fixture(params=[True, False], ids=["threads", "calling thread"])
 def threads_setting(request, monkeypatch):
     """Both ways the chunked backend runs: query blocks shared among torch.get_num_threads()
-    threads (each single-threaded), or everything in the calling thread (_tiles.THREADS)."""
-    monkeypatch.setattr(_tiles, "THREADS", request.param)
+    threads (each single-threaded), or everything in the calling thread (cpu_threads.workers_for
+    answering 1, as it does where threads cannot be made single-threaded)."""
+    if not request.param:
+        monkeypatch.setattr(cpu_threads, "workers_for", lambda blocks, *tensors: 1)
     return request.param
 
 
@@ -648,7 +650,7 @@ def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch, thr
     """Issue 11, defect 5: the workers called torch.set_num_threads(1), which is process-wide, so
     a thread that started during a chunked call ran torch on one thread. A thread started from
     inside every tile computation (forward and backward) sees the caller's thread count, and
-    the work ran where _tiles.THREADS says: in 3 threads of their own, or the calling one."""
+    the work ran where threads_setting says: in 3 threads of their own, or the calling one."""
     seen, where = [], set()
     scores = _tiles.Tiles.scores
 

@@ -18,7 +18,7 @@ import torch
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import chunked
+from multihead.backends import _tiles, chunked
 from multihead.backends.chunked import chunked_attention
 from oracle import parametrize_tile_kernels, tile_kernel, torch_threads  # noqa: F401 (fixture)
 from ref64 import causal_keep, random_qkv
@@ -148,9 +148,9 @@ def test_packed_documents_equal_each_document_alone_and_skip_other_documents_til
     L, H = sum(lengths), 2
     q, k, v = random_qkv(B=1, H=H, Lq=L, D=4, seed=7, grad=True)
     m = masks.from_seqlens(lengths) & masks.causal()
-    chunked.BLOCKS_COMPUTED.clear()
-    got = run(q, k, v, m)
-    computed = chunked.BLOCKS_COMPUTED["forward"]
+    with _tiles.counting() as counts:
+        got = run(q, k, v, m)
+    computed = counts["forward"]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     alone = [definition(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n], keep=causal_keep(n, n))
              for a, n in zip(starts, lengths)]
@@ -189,11 +189,10 @@ def test_mask_mod_with_a_block_plan_skips_empty_tiles_and_evaluates_only_partial
     plan = masks.block_plan(masks.mask_mod(banded), shape, block_q=4, block_k=4)
     m = masks.mask_mod(banded).with_plan(plan)
     calls.clear()
-    chunked.BLOCKS_COMPUTED.clear()
-    with torch_threads(2):  # the query blocks shared among threads, one tile per call (with one
+    with torch_threads(2), _tiles.counting() as counts:  # the query blocks shared among threads, one tile per call (with one
         got = chunked_attention(q, k, v, m, block_q=4, block_k=4, return_lse=True)  # thread: panels)
     states = plan.states[0, 0]
-    assert chunked.BLOCKS_COMPUTED["forward"] == int((states != 0).sum())
+    assert counts["forward"] == int((states != 0).sum())
     for q0, q1, k0, k1 in calls:  # the function saw partial tiles only
         assert states[q0 // 4, k0 // 4] == 1 and q1 - q0 <= 4 and k1 - k0 <= 4
     i, j = torch.arange(L).view(L, 1), torch.arange(L).view(1, L)

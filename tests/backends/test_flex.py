@@ -1,7 +1,7 @@
 """The flex backend (torch's FlexAttention): its translation of every mask kind it accepts,
 its block masks, the compiled path and its compile cache, its refusals and ``auto``'s rule.
 
-* Translation: ``flex.run(..., compiled=False)`` runs torch's unfused FlexAttention on the
+* Translation: ``flex.flex_forward(..., compiled=False)`` runs torch's unfused FlexAttention on the
   mask_mod/score_mod/BlockMask the backend builds, in float64 on the CPU, against the
   independent float64 reference of ``ref64`` built from each kind's definition (1e-12).
 * The compiled path (torch inductor, CPU inference): one small case per compile, judged by the
@@ -45,7 +45,7 @@ def eager(q, k, v, mask, scale=None):
     m = masks.as_mask(mask)
     if m is not None:
         m.check((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device, dtype=q.dtype)
-    return flex.run(q, k, v, m, scale=q.shape[-1] ** -0.5 if scale is None else scale, compiled=False)
+    return flex.flex_forward(q, k, v, m, scale=q.shape[-1] ** -0.5 if scale is None else scale, compiled=False)
 
 
 def assert_close64(got, want, tol=TOL):
@@ -165,16 +165,16 @@ def test_rows_with_no_visible_key_give_zero():
 
 def test_empty_sequences():
     q, k, v = random_qkv(B=1, H=2, Lq=5, Lk=7, D=16)
-    out = flex.run(q, k[:, :, :0], v[:, :, :0], None, scale=0.25)
+    out = flex.flex_forward(q, k[:, :, :0], v[:, :, :0], None, scale=0.25)
     assert torch.equal(out, torch.zeros(1, 2, 5, 16, dtype=torch.float64))
-    out, lse = flex.run(q[:, :, :0], k, v, None, scale=0.25, return_lse=True)
+    out, lse = flex.flex_forward(q[:, :, :0], k, v, None, scale=0.25, return_lse=True)
     assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
 
 
 def test_lse_of_the_unfused_path_is_the_log_sum_exp_of_the_final_scores():
     q, k, v = random_qkv(B=1, H=2, Lq=70, Lk=90, D=16, seed=4)
     bias = torch.randn(70, 90, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    _, lse = flex.run(q, k, v, masks.bias(bias) & masks.causal(), scale=0.25, compiled=False, return_lse=True)
+    _, lse = flex.flex_forward(q, k, v, masks.bias(bias) & masks.causal(), scale=0.25, compiled=False, return_lse=True)
     s = (q @ k.transpose(-1, -2)) * 0.25 + bias
     s = s.masked_fill(~causal_keep(70, 90), -math.inf)
     assert_close64(lse, torch.logsumexp(s, dim=-1))

@@ -38,10 +38,10 @@ def test_only_the_cli_knows_argparse():
 def test_the_walkthrough_runs_from_typed_options_and_refuses_a_namespace():
     out = io.StringIO()
     options = Options(format="markdown", lang="zh", example=ExampleConfig(heads=4, tokens=2))
-    assert walkthrough.run(options, out) == 0
+    assert walkthrough.command(options, out) == 0
     assert out.getvalue().startswith("# multihead explain：") and "4 个头" in out.getvalue()
     with pytest.raises(TypeError, match="options must be a multihead.explain.options.Options, got Namespace"):
-        walkthrough.run(argparse.Namespace(format="text"), io.StringIO())
+        walkthrough.command(argparse.Namespace(format="text"), io.StringIO())
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -81,10 +81,10 @@ def test_an_error_from_the_explain_package_is_one_line_and_exit_2(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("something the\nexplain package refused")
 
-    monkeypatch.setattr(walkthrough, "explain", broken)
+    monkeypatch.setattr(walkthrough, "example_walkthrough", broken)
     rc, out, err = run_cli()
     assert (rc, out, err) == (2, "", "multihead: error: something the explain package refused\n")
-    monkeypatch.setattr(walkthrough, "explain", lambda *a, **k: (_ for _ in ()).throw(TypeError("wrong type")))
+    monkeypatch.setattr(walkthrough, "example_walkthrough", lambda *a, **k: (_ for _ in ()).throw(TypeError("wrong type")))
     assert run_cli()[2] == "multihead: error: wrong type\n"
 
 
@@ -128,7 +128,7 @@ def test_no_english_is_left_in_chinese_output(extra, tmp_path):
         more = ["--per-head", "--cost"]
         rc, out, err = run_cli("--lang", "zh", "--format", fmt, *more, *extra)
         assert (rc, err) == (0, "")
-        tr = walkthrough.explain(options.example).trace
+        tr = walkthrough.example_walkthrough(options.example).trace
         shown = code + [s.pattern or "" for s in tr.steps] + [str(v) for s in tr.steps for v in s.params.values()]
         assert _english(out, shown) == [], fmt
     rc, out, _ = run_cli("--lang", "zh", "--format", "json", "--cost", *extra)

@@ -47,7 +47,7 @@ def _walkthrough():
         ["--format", "html", "--out", "x", "--heads", "4", "--kv-heads", "2", "--d-out", "16", "--tokens", "4", "--keys", "6",
          "--causal"]
     )
-    return walkthrough.explain(options.example)
+    return walkthrough.example_walkthrough(options.example)
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +426,7 @@ def test_a_packed_documents_page_draws_the_block_mask_and_the_softcap_step(open_
     import torch
 
     options = parse_options(["--format", "html", "--out", "x", "--tokens", "5", "--mask", "documents:3,2", "--mask", "softcap:1"])
-    w = walkthrough.explain(options.example)
+    w = walkthrough.example_walkthrough(options.example)
     page, events, url = open_page(visual.render_html(w, visual.head_maps_from_trace(w.trace)))
     assert events["console_errors"] == [] and events["requests"] == [url]
     assert page.is_visible("#panel-mask")

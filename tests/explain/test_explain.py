@@ -19,7 +19,7 @@ from multihead.cli import main
 from multihead.explain import checks as ck
 from multihead.explain import cost
 from multihead.explain.example import ExampleConfig, build_example, trace_example
-from multihead.explain.walkthrough import WIDTH, _width, explain
+from multihead.explain.walkthrough import WIDTH, _width, example_walkthrough
 
 # the walkthrough: (2,3,4) -> (2,3,8) for Q, K, V -> (2,3,2,4) -> (2,2,3,4) -> scores (2,2,3,3)
 # -> ... -> (2,2,3,4) -> (2,3,2,4) -> (2,3,8) -> (2,3,8)
@@ -347,7 +347,7 @@ def test_unwritable_out_is_one_line_before_any_work(tmp_path, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("the work ran before --out was checked")
 
-    for module, name in ((walkthrough, "explain"), (real_model, "attention_for_text")):  # html runs walkthrough.explain too
+    for module, name in ((walkthrough, "example_walkthrough"), (real_model, "attention_for_text")):  # html runs walkthrough.example_walkthrough too
         monkeypatch.setattr(module, name, no_work)
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -419,7 +419,7 @@ def test_explain_does_not_import_the_cli():
     ["--batch", "3", "--tokens", "9", "--d-in", "5", "--d-out", "12", "--heads", "3", "--seed", "0"],
 ])
 def test_every_check_holds(argv):
-    w = explain(multihead.cli.parse_options(argv).example, per_head=True)
+    w = example_walkthrough(multihead.cli.parse_options(argv).example, per_head=True)
     assert w.checks and all(c.ok for c in w.checks), [c for c in w.checks if not c.ok]
 
 

@@ -193,7 +193,7 @@ def test_why3_a_sink_mask_is_a_step_and_the_explanations_checks_hold():
     torch.manual_seed(0)
     mha = multihead.MultiHeadAttention(8, 2, causal=True, backend="reference")
     x = torch.randn(1, 4, 8)
-    e = multihead.explain(mha, x, mask=masks.sink(torch.tensor([0.5, -1.0])))
+    e = multihead.explain_module(mha, x, mask=masks.sink(torch.tensor([0.5, -1.0])))
     kinds = [s.kind.id for s in e.walkthrough.trace.steps]
     assert "sink" in kinds
     assert e.walkthrough.checks and all(c.ok for c in e.walkthrough.checks), \
@@ -301,7 +301,7 @@ def test_why8_a_grouped_query_trace_of_a_hugging_face_model_draws(dirs):
 def test_why8_a_functional_trace_states_the_sizes_it_knows():
     with multihead.trace(keep_values=True) as tr:
         multihead.attention(*(torch.randn(1, 2, 3, 6) for _ in range(3)), backend="reference", scale=0.5)
-    text = multihead.explain(tr).text()
+    text = multihead.explain_module(tr).text()
     assert "?" not in text
     assert "Multiply by 1/sqrt(6)" not in text and "given scale 0.5" in text
 
@@ -349,7 +349,7 @@ def test_explain_takes_a_per_head_module_as_its_fused_equivalent():
     torch.manual_seed(0)
     p = multihead.PerHeadAttention(8, 2, causal=True)
     x = torch.randn(1, 4, 8)
-    e = multihead.explain(p, x)
+    e = multihead.explain_module(p, x)
     assert e.walkthrough.checks and all(c.ok for c in e.walkthrough.checks)
     fused = multihead.MultiHeadAttention.from_per_head(p)
     _, tol, ok = checks.per_head_difference(fused, (x,))
@@ -364,7 +364,7 @@ def test_explain_runs_modules_that_call_multihead_attention():
     torch.manual_seed(0)
     x = torch.randn(1, 4, 8)
     m = MultiheadAttention(8, 2, batch_first=True)
-    e = multihead.explain(m, x, x, x)
+    e = multihead.explain_module(m, x, x, x)
     assert [s.kind.id for s in e.walkthrough.trace.steps].count("softmax") == 1
     assert "?" not in e.text()
 
@@ -373,11 +373,11 @@ def test_explain_runs_modules_that_call_multihead_attention():
             q = x.view(1, 4, 2, 4).transpose(1, 2)
             return multihead.attention(q, q, q, backend="reference")
 
-    e = multihead.explain(Mine(), x)
+    e = multihead.explain_module(Mine(), x)
     assert [s.kind.id for s in e.walkthrough.trace.steps] == ["scores", "scale", "softmax", "weighted_sum"]
     assert all(c.ok for c in e.walkthrough.checks)
     with pytest.raises(TypeError, match="got Linear, which did not call multihead.attention"):
-        multihead.explain(torch.nn.Linear(8, 8), x)
+        multihead.explain_module(torch.nn.Linear(8, 8), x)
 
 
 def test_rope_lines_only_for_rotary_models(tmp_path):

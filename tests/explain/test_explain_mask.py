@@ -208,7 +208,7 @@ SPECS = [["documents:3,2"], ["documents:3,2", "softcap:2"], ["alibi", "window:1:
 def test_every_format_and_language_shows_the_mask_and_score_mods(specs, lang, tmp_path):
     argv = ["--tokens", "5", "--lang", lang] + [a for s in specs for a in ("--mask", s)]
     options = parse_options(argv)
-    tr = walkthrough.explain(options.example).trace
+    tr = walkthrough.example_walkthrough(options.example).trace
     shown = [s for s in tr.steps if s.kind in (steps.MASK, steps.SCORE_MOD)]
     assert shown
     code = ["multihead explain", options.example.module_call()] + [s.pattern or "" for s in tr.steps]

@@ -1,4 +1,4 @@
-"""``multihead.explain(module_or_trace, x, ...)``: the walkthrough of the user's own module.
+"""``multihead.explain_module(module_or_trace, x, ...)``: the walkthrough of the user's own module.
 
 Every configuration a user builds (self/cross attention, GQA, masks, rope, a cache, each
 backend) is explained in every format and language; the steps shown carry the numbers of the
@@ -67,7 +67,7 @@ def _case(name, backend):
 @pytest.mark.parametrize("name", [*CONFIGS, "cache"])
 def test_every_configuration_is_explained_with_the_modules_own_numbers(name, backend):
     mha, inputs, call = _case(name, backend)
-    e = multihead.explain(mha, *inputs, **call)
+    e = multihead.explain_module(mha, *inputs, **call)
     assert e.all_checks_hold, [c for c in e.checks if not c.ok]
     assert e.reopened == (backend != "reference")
     # the weights shown are the module's own (its return_weights runs the reference backend)
@@ -91,7 +91,7 @@ def test_every_configuration_is_explained_with_the_modules_own_numbers(name, bac
 @pytest.mark.parametrize("backend", FUSED)
 def test_a_fused_call_is_opened_up_on_the_reference_backend_and_says_so(backend):
     mha = _module(d_in=8, num_heads=2, causal=True, backend=backend).eval()
-    e = multihead.explain(mha, _x(1, 4, 8))
+    e = multihead.explain_module(mha, _x(1, 4, 8))
     assert [s.kind.id for s in e.fused_trace.steps].count("fused_attention") == 1
     assert e.trace.config["backend"] == "reference"
     assert e.agreement.backend == backend and e.agreement.ok
@@ -115,7 +115,7 @@ def test_the_agreement_check_fails_when_the_fused_output_is_wrong(monkeypatch):
 
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", off_by_a_little)
     mha = _module(d_in=8, num_heads=2, backend="sdpa").eval()
-    e = multihead.explain(mha, _x(1, 4, 8))
+    e = multihead.explain_module(mha, _x(1, 4, 8))
     assert e.agreement is not None and not e.agreement.ok and e.agreement.max_diff > 5e-4
     assert not e.all_checks_hold
 
@@ -126,7 +126,7 @@ def test_nothing_of_the_users_changes():
     weights = {k: v.clone() for k, v in mha.state_dict().items()}
     length = len(call["cache"])
     rng = torch.get_rng_state()
-    multihead.explain(mha, *inputs, **call)
+    multihead.explain_module(mha, *inputs, **call)
     assert len(call["cache"]) == length and mha.training
     assert all(torch.equal(v, mha.state_dict()[k]) for k, v in weights.items())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -136,7 +136,7 @@ def test_a_trace_the_user_recorded():
     mha = _module(d_in=8, num_heads=2, causal=True, backend="reference")
     with torch.no_grad(), multihead.trace() as tr:
         mha(_x(1, 3, 8))
-    e = multihead.explain(tr)
+    e = multihead.explain_module(tr)
     assert e.trace is tr and not e.reopened and e.all_checks_hold
     assert "softmax" in e.text() and json.loads(e.json())["steps"]
 
@@ -144,40 +144,43 @@ def test_a_trace_the_user_recorded():
 def test_bad_input_is_refused_at_the_edge():
     mha = _module(d_in=8, num_heads=2)
     with pytest.raises(TypeError, match="MultiHeadAttention .* or a multihead.Trace, got Linear"):
-        multihead.explain(torch.nn.Linear(2, 2), _x(1, 2, 2))
+        multihead.explain_module(torch.nn.Linear(2, 2), _x(1, 2, 2))
     with pytest.raises(TypeError, match="needs the input x"):
-        multihead.explain(mha)
+        multihead.explain_module(mha)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        multihead.explain(mha, [[1.0]])
+        multihead.explain_module(mha, [[1.0]])
     with pytest.raises(ValueError, match=r"x must be \(B, Lq, d_in\), got shape \(3, 8\)"):
-        multihead.explain(mha, _x(3, 8))
+        multihead.explain_module(mha, _x(3, 8))
     with pytest.raises(ValueError, match="at most 256 tokens .* x\\[:, :16\\]"):
-        multihead.explain(mha, _x(1, 300, 8))
+        multihead.explain_module(mha, _x(1, 300, 8))
     with pytest.raises(ValueError, match="d_in"):      # the module's own check, before any work
-        multihead.explain(mha, _x(1, 3, 5))
+        multihead.explain_module(mha, _x(1, 3, 5))
     with multihead.trace() as tr:
         pass
     with pytest.raises(ValueError, match="recorded no steps"):
-        multihead.explain(tr)
+        multihead.explain_module(tr)
     with pytest.raises(TypeError, match="takes no inputs"):
-        multihead.explain(tr, _x(1, 3, 8))
-    e = multihead.explain(mha, _x(1, 3, 8))
+        multihead.explain_module(tr, _x(1, 3, 8))
+    e = multihead.explain_module(mha, _x(1, 3, 8))
     with pytest.raises(ValueError, match="lang must be 'en' or 'zh', got 'fr'"):
         e.text(lang="fr")
     dropping = _module(d_in=8, num_heads=2, dropout=0.5, backend="sdpa").train()
     with pytest.raises(ValueError, match=r"training mode with dropout=0.5 .* module.eval\(\)"):
-        multihead.explain(dropping, _x(1, 3, 8))
+        multihead.explain_module(dropping, _x(1, 3, 8))
 
 
-def test_import_multihead_stays_light_and_explain_is_callable_after_any_import():
+def test_import_multihead_stays_light_and_explain_module_works_after_any_import():
+    """``multihead.explain`` is the package (one meaning), whatever was imported first; the
+    function is ``explain_module``."""
     code = (
-        "import sys, multihead\n"
+        "import sys, types, multihead\n"
         "assert 'multihead.explain' not in sys.modules, 'import multihead loaded explain'\n"
+        "e = multihead.explain_module(multihead.MultiHeadAttention(8, 2), __import__('torch').randn(1, 3, 8))\n"
         "import multihead.explain.visual\n"
         "import torch\n"
-        "e = multihead.explain(multihead.MultiHeadAttention(8, 2), torch.randn(1, 3, 8))\n"
-        "from multihead import explain\n"
-        "assert explain(multihead.MultiHeadAttention(8, 2), torch.randn(1, 2, 8)).all_checks_hold\n"
+        "assert type(multihead.explain) is types.ModuleType and not callable(multihead.explain)\n"
+        "from multihead import explain_module\n"
+        "assert explain_module(multihead.MultiHeadAttention(8, 2), torch.randn(1, 2, 8)).all_checks_hold\n"
         "print(type(e).__name__)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -203,7 +206,7 @@ def test_one_layer_of_a_traced_stack():
         h = x
         for b in model.blocks:
             h = b(h)
-    e = multihead.explain(tr, layer=1)
+    e = multihead.explain_module(tr, layer=1)
     assert {s.path for s in e.trace.steps} == {"blocks.1.attn"} and e.all_checks_hold
     # the trace knows the module (its root and path): every step is recomputed, as for a module
     names = [c.name for c in e.checks]
@@ -215,16 +218,16 @@ def test_one_layer_of_a_traced_stack():
     assert torch.equal(e.trace.step("softmax").tensor, w1)
     assert "(b=1, h=4, q=3, k=3)" in e.text()
     with pytest.raises(ValueError, match=r"layer must be one of the trace's layers \[0, 1\], got 2"):
-        multihead.explain(tr, layer=2)
+        multihead.explain_module(tr, layer=2)
     with pytest.raises(TypeError, match="layer= selects a layer of a traced stack"):
-        multihead.explain(model.blocks[0].attn, x, layer=0)
+        multihead.explain_module(model.blocks[0].attn, x, layer=0)
 
 
 def test_a_call_too_long_for_the_page_is_refused_by_html_and_shown_as_text_in_a_notebook():
     mha = _module(d_in=8, num_heads=2, backend="reference")
-    e = multihead.explain(mha, _x(1, 65, 8))
+    e = multihead.explain_module(mha, _x(1, 65, 8))
     with pytest.raises(ValueError, match=r"at most 64 tokens .* Lq=65, Lk=65: use .text\(\)"):
         e.html()
     assert e._repr_html_() is None and ".text()" in repr(e)   # Jupyter falls back to the repr
     assert "checks (" in e.text()
-    assert multihead.explain(mha, _x(1, 64, 8))._repr_html_().startswith("<iframe")
+    assert multihead.explain_module(mha, _x(1, 64, 8))._repr_html_().startswith("<iframe")

@@ -1,7 +1,7 @@
 """In a real notebook: a Jupyter kernel (ipykernel) runs the cells a learner writes, through nbclient,
 and the outputs it saves are what Jupyter would show.
 
-``multihead.explain(mha, x)`` and a ``multihead.Trace`` display as text/html: one sandboxed
+``multihead.explain_module(mha, x)`` and a ``multihead.Trace`` display as text/html: one sandboxed
 ``<iframe>`` whose ``srcdoc`` is the whole walkthrough page, escaped, so the page's CSS, script and
 language switch stay out of the notebook. The page inside carries the numbers of the learner's
 own module: the test rebuilds the same module in this process (same seed) and compares.
@@ -37,7 +37,7 @@ x = torch.randn(1, 3, 8)
 """
 CELLS = [
     SETUP,
-    "e = multihead.explain(mha, x)\ne",
+    "e = multihead.explain_module(mha, x)\ne",
     "ref = multihead.MultiHeadAttention(8, 2, causal=True, backend='reference')\n"
     "ref.load_state_dict(mha.state_dict())\n"
     "with torch.no_grad(), multihead.trace() as tr:\n"

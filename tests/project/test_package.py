@@ -127,12 +127,12 @@ def test_weights_at_large_length_warn_once_that_they_are_quadratic(monkeypatch):
             mha(large, return_weights=True)
         mha(large)                                   # no weights asked: a tiled backend, no warning
         q = torch.randn(1, 2, 32, 8)
-        functional.attention_with_weights(q, q, q)   # transformers' output_attentions path
+        functional.attention_core(*functional.prepare_inputs(q, q, q, None, None, 0.0), returns="weights")   # transformers' output_attentions path
     assert [str(w.message).count("O(Lq·Lk)") for w in caught] == [1]
     assert issubclass(caught[0].category, UserWarning)
     monkeypatch.setattr(functional, "_warned_dense_weights", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        functional.attention_with_weights(q, q, q)
+        functional.attention_core(*functional.prepare_inputs(q, q, q, None, None, 0.0), returns="weights")
     assert len(caught) == 1 and "O(Lq·Lk)" in str(caught[0].message)
     assert torch.equal(mha(small, return_weights=True)[1], weights)   # nothing computed changes

@@ -43,14 +43,13 @@ added 0/-inf tile).
 Base 2 (:attr:`Tiles.base2`): where no score mod reads the scores, q is scaled by
 scale·log2(e) and the added parts (ALiBi, bias tensors) are added times log2(e), so that the
 tiles hold the scores times log2(e), the shifts are in that unit and the exponential is exp2,
-which torch computes in 0.55x the time of exp here and at full speed on -inf, as FlashAttention-2
-does on GPUs; lse is returned in base e. Score mods are defined on the natural scores, so with
-them the tiles stay in base e and use exp. Where something is added to the scores (an ALiBi
-bias can put many finite scores below exp's range), arguments at or below -80 (in base e) are
-set to give exactly 0 (:func:`_exp_`: torch's exp and exp2 are 2 to 60 times slower on lanes
-whose result is subnormal or 0, and exp on -inf too; such terms are below rounding next to a
-row sum of at least 1). Side by side at L=4096, causal, 2 threads, base e / base 2: 1.10 with
-no bias, 1.33 with ALiBi, 1.06 with a bias tensor.
+which torch computes faster than exp and at full speed on -inf, as FlashAttention-2 does on
+GPUs; lse is returned in base e. Score mods are defined on the natural scores, so with them the
+tiles stay in base e and use exp. Where something is added to the scores (an ALiBi bias can put
+many finite scores below exp's range), arguments at or below -80 (in base e) are set to give
+exactly 0 (:func:`_exp_`: torch's exp and exp2 are many times slower on lanes whose result is
+subnormal or 0, and exp on -inf too; such terms are below rounding next to a row sum of at
+least 1). The figures behind these choices are in docs/benchmarks.md.
 
 The backward pass recomputes each panel from the saved (q, k, v, out, lse), so training memory
 is O(L) as well: p = exp(s - lse), dV += pᵀ dO, dP = dO Vᵀ, dS = p ⊙ (dP - rowsum(dO ⊙ out)),
@@ -69,15 +68,10 @@ before the softmax (an error of about 1 at scores of a few units, where float32 
 thousandths), and CPU ``mm`` has no float32 output for bfloat16 operands. The native kernel
 (:mod:`multihead.backends.native`) takes bfloat16 operands into float32 products instead.
 
-Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, dealt
-out back and forth (0, 1, .., n-1, n-1, .., 0, ..: equal work under a causal mask), each running
-torch single-threaded (one parallel region per thread, not one
-per op: on a busy machine that is twice as fast as torch's intra-op threads on these ops). A
-thread is made single-threaded with the per-thread calls of OpenMP and MKL, not with
-``torch.set_num_threads``, which is process-wide (see :func:`_runtime_setters`); where that is
-not possible, or where a Python dispatch mode or a tensor subclass is in play, everything runs
-in the calling thread, panel after panel (:data:`THREADS` = False forces it; so does a score
-mod with tensors to differentiate, in the backward). Either way the order of every sum is fixed
+Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, each
+running torch single-threaded (:mod:`multihead.backends.cpu_threads`, the runtime apart from the
+algorithm); where that is not possible everything runs in the calling thread, panel after panel
+(so does a score mod with tensors to differentiate, in the backward). Either way the order of every sum is fixed
 (the backward adds the threads' dK, dV in thread order), so results are bit-identical from run to
 run at a given thread count, the caller's ``no_grad`` and ``inference_mode`` hold, and no other
 thread's settings change. Grouped-query attention reads K/V once per kv head: q is viewed as
@@ -91,37 +85,71 @@ lengths, D head dim, Dv value head dim, S parts merged.
 
 from __future__ import annotations
 
-import ctypes
 import contextlib
 import functools
 import math
-import os
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from .._numerics import compute_dtype, finite_row_max, outside_autocast
 from ..masks import ALiBi, KeyPadding, Mask, Softcap, split_additive, tile_of
+from . import cpu_threads as _threads
 from . import native as _native
 
-__all__ = ["PANEL_SCORES", "THREADS", "BLOCKS_COMPUTED", "Tiles", "attend", "merge",
+__all__ = ["PANEL_SCORES", "counting", "TileCounts", "Tiles", "attend", "merge",
            "with_sink", "native_bf16", "cpu_features"]
 
 #: most scores (B·Hkv x rows x keys) one panel of tiles computes at once (8 MiB in float32):
 #: each op is big enough for torch's intra-op threads, its scores still fit in a CPU cache,
 #: and a call's extra memory stays bounded
 PANEL_SCORES = 2 ** 21
-#: share the query blocks among torch.get_num_threads() threads (CPU); False: all in the
-#: calling thread, each op using torch's intra-op threads
-THREADS = True
 
-#: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
-#: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
-#: "skipped" (reset it with ``.clear()``); the native kernel's passes are counted in ``native.CALLS``
-BLOCKS_COMPUTED: Counter = Counter()
+
+
+class TileCounts(Counter):
+    """The tile work of the calls inside one :func:`counting` block: tiles computed under
+    "forward" and "backward", forward panels redone with an exact shift under "redone", tiles
+    skipped as empty by ``tile_state`` under "skipped"; ``native``: forward calls the native
+    kernel ran (its tiles are counted under "forward" too)."""
+
+    native: int = 0
+
+
+_counting = threading.local()  # .blocks: this thread's open TileCounts, innermost last
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[TileCounts]:
+    """Count the tile work this thread does inside the block (the backward of a CPU graph runs in
+    the thread that calls ``.backward()``), for a trace's step or a test:
+
+    >>> import torch
+    >>> from multihead import masks
+    >>> from multihead.backends import _tiles, chunked
+    >>> q = torch.randn(1, 1, 64, 8)
+    >>> with _tiles.counting() as counts:
+    ...     _ = chunked.chunked_attention(q, q, q, masks.causal(), block_q=16, block_k=16)
+    >>> counts["forward"]               # 4 x 4 tiles: the 6 above the diagonal are never computed
+    10
+    """
+    counts = TileCounts()
+    blocks = _counting.__dict__.setdefault("blocks", [])
+    blocks.append(counts)
+    try:
+        yield counts
+    finally:
+        blocks.remove(counts)
+
+
+def _count(key: str, n: int) -> None:
+    for counts in getattr(_counting, "blocks", ()):
+        if key == "native":
+            counts.native += n
+        else:
+            counts[key] += n
 
 _NEG_INF = float("-inf")
 #: /proc/cpuinfo flags that mean native bfloat16 matrix products
@@ -151,8 +179,8 @@ class Tiles:
     q is held grouped and pre-scaled (by scale·log2(e) for base-2 scores, :attr:`base2`),
     (N, Lq·G, D), row ``i·G + g`` being query i of head ``kvhead·G + g``; k (N, Lk, D) and
     v (N, Lk, Dv). All in the compute dtype. The products take k and v transposed as views (a
-    product with a transposed operand runs as fast as one with a copy laid out transposed,
-    2-4% faster in a whole causal forward, which then skips that copy).
+    product with a transposed operand runs as fast as one with a copy laid out transposed, and
+    the whole forward then skips that copy: docs/benchmarks.md).
 
     ``rest`` is the mask without its plain bias tensors, which come as ``biases`` (4-D,
     broadcastable to ``mask_shape``; differentiable inputs); ``mods`` its score-mod parts.
@@ -226,7 +254,7 @@ class Tiles:
         if self.positions is not None or self.mask_heads is not None:
             return None, "selected query rows or heads (attention_weights) run the torch tiles"
         tensors = (q, k, v, *self.biases)
-        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _threads.python_modes_active():
             return None, "a tensor subclass or a Python dispatch mode is in play"
         keep: Optional[torch.Tensor] = None
         alibi: Optional[ALiBi] = None
@@ -269,7 +297,8 @@ class Tiles:
         out, lse, tiles = _native.module().forward(
             q.detach(), k.detach(), v.detach(), float(self.scale), args["intervals"], args["keep"], args["biases"],
             args["slopes"], args["diag"], args["softcap"], *self.native_blocks, args["half"])
-        BLOCKS_COMPUTED["forward"] += int(tiles)
+        _count("forward", int(tiles))
+        _count("native", 1)
         _native.CALLS["forward"] += 1
         return out, lse
 
@@ -308,7 +337,7 @@ class Tiles:
     def _additive(self, s, r0, r1, a0, k0, k1, whole) -> Optional[torch.Tensor]:
         """Add the bias tiles to ``s`` (N, rows, bk) in place; the tile's keep mask as a grouped
         (b, Hkv|1, bq, G|1, bk) tile of 0 and -inf to add, or None (no keep mask, or a tile the
-        mask shows whole). Adding -inf is ten times faster than ``masked_fill_`` here."""
+        mask shows whole). Adding -inf is faster than ``masked_fill_`` here (docs/benchmarks.md)."""
         nq = r1 - r0
         tiles = [(tile_of(b, a0, a0 + nq, k0, k1), False) for b in self.biases]  # heads picked already
         keep = None
@@ -355,7 +384,7 @@ class Tiles:
 
     def plans(self, workers: int) -> list:
         """One list of panels per worker (see :func:`_plan`): query block i goes to worker
-        :func:`_worker_of` (i, ``workers``), a fixed rule, so every sum is formed in the same order
+        :func:`.cpu_threads.worker_of` (i, ``workers``), a fixed rule, so every sum is formed in the same order
         on every run.
         One worker (the calling thread) merges consecutive blocks into panels of up to
         :data:`PANEL_SCORES` scores, for torch's intra-op threads; several workers, each
@@ -364,7 +393,7 @@ class Tiles:
             panel_queries = PANEL_SCORES // max(1, self.N * self.G * self.block_k) // self.block_q * self.block_q
         else:
             panel_queries = self.block_q
-        return [_plan([b for i, b in enumerate(self.blocks) if _worker_of(i, workers) == w], self.Lk, self.rest,
+        return [_plan([b for i, b in enumerate(self.blocks) if _threads.worker_of(i, workers) == w], self.Lk, self.rest,
                       self.block_k, self.mask_shape,
                       max(self.block_q, panel_queries), self.q.device) for w in range(workers)]
 
@@ -383,7 +412,7 @@ class Tiles:
         if args is not None:
             out, lse = self.native_forward(args)
             return self.group_rows(out), self.group_lse(lse)
-        plans = self.plans(_workers(len(self.blocks), *self.inputs, *self.biases))
+        plans = self.plans(_threads.workers_for(len(self.blocks), *self.inputs, *self.biases))
         run = self._forward_pass(plans, careful=False)
         if _any(run.total > self.limit):
             run = self._forward_pass(plans, careful=True)
@@ -398,10 +427,10 @@ class Tiles:
         def work(w):  # query blocks are disjoint rows: workers never write the same row
             return sum(self._forward_panel(run, *p[:6]) for p in plans[w])
 
-        redone = sum(_share(work, len(plans)))
+        redone = sum(_threads.share(work, len(plans)))
         if redone:
-            BLOCKS_COMPUTED["redone"] += redone
-        BLOCKS_COMPUTED["forward"] += sum(p[-1] for plan in plans for p in plan)
+            _count("redone", redone)
+        _count("forward", sum(p[-1] for plan in plans for p in plan))
         return run
 
     def _forward_panel(self, run: "_Running", k0, k1, r0, r1, a0, whole) -> bool:
@@ -483,7 +512,7 @@ class Tiles:
             row_lse = row_lse * LOG2E
         # a bias or mod-tensor gradient may be shared by all query blocks: one worker
         one = any(db is not None for db in dbiases) or bool(mod_inputs)
-        workers = 1 if one else _workers(len(self.blocks), q, k, g_out)
+        workers = 1 if one else _threads.workers_for(len(self.blocks), q, k, g_out)
         plans = self.plans(workers)
         partials = [(dk, dv)] + [(torch.zeros_like(dk), torch.zeros_like(dv)) for _ in plans[1:]]
 
@@ -511,11 +540,11 @@ class Tiles:
                     if db is not None:
                         _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
 
-        _share(work, len(plans))
+        _threads.share(work, len(plans))
         for pdk, pdv in partials[1:]:  # in worker order, whichever finished first
             dk.add_(pdk)
             dv.add_(pdv)
-        BLOCKS_COMPUTED["backward"] += sum(p[-1] for plan in plans for p in plan)
+        _count("backward", sum(p[-1] for plan in plans for p in plan))
         if self.base2:  # dK = dSᵀ (scale·Q), and q holds scale·log2(e)·Q
             dk.mul_(LN2)
         return dq.mul_(self.scale), dk, dv, dbiases, dmods
@@ -700,109 +729,6 @@ def merge(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     return out.to(outputs[0].dtype), lse
 
 
-def _worker_of(block: int, workers: int) -> int:
-    """The worker of query block ``block``: blocks dealt out back and forth (0, 1, .., n-1,
-    n-1, .., 0, 0, 1, ..), so that under a causal mask, whose block i has i + 1 tiles, every
-    worker gets the same number of tiles (dealing round-robin gives the last worker the most)."""
-    turn, place = divmod(block, workers)
-    return place if turn % 2 == 0 else workers - 1 - place
-
-
-def _workers(blocks: int, *tensors: torch.Tensor) -> int:
-    """How many threads share ``blocks`` query blocks: ``torch.get_num_threads()`` of them (at
-    most one per block) on CPU when :data:`THREADS` allows it and each thread can run torch
-    single-threaded without touching the others (:func:`_one_thread_here`); otherwise 1, the
-    calling thread. Also 1 where thread-local state would not reach other threads: tensor
-    subclasses, and Python dispatch or function modes (e.g. FakeTensorMode, FlopCounterMode)."""
-    threads = torch.get_num_threads()
-    if not THREADS or threads < 2 or blocks < 2 or tensors[0].device.type != "cpu":
-        return 1
-    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors) or _python_modes_active():
-        return 1
-    return min(threads, blocks) if _thread_local_threads_work() else 1
-
-
-def _python_modes_active() -> bool:
-    """Whether a Python dispatch or function mode is active (True when this torch cannot tell)."""
-    try:
-        return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
-    except AttributeError:
-        return True
-
-
-def _share(work, n: int) -> list:
-    """``[work(w) for w in range(n)]``: in the calling thread for n = 1, else each in its own
-    thread, running torch single-threaded, in the caller's inference mode and without autograd
-    (the passes need none). The caller's torch.get_num_threads() and every other thread's are
-    left alone."""
-    if n == 1:
-        return [work(0)]
-    inference = torch.is_inference_mode_enabled()
-
-    def run(w):
-        _one_thread_here()
-        with torch.inference_mode(inference), torch.no_grad():
-            return work(w)
-
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(run, range(n)))
-
-
-@functools.lru_cache(maxsize=None)
-def _runtime_setters():
-    """The thread-local halves of ``torch.set_num_threads``, as ctypes functions of int, or None.
-
-    torch.set_num_threads(n) is process-wide: besides the calling thread's OpenMP and MKL
-    settings it stores n where every thread that starts later copies it from (ATen's
-    ParallelOpenMP.cpp; torch 2.13 offers no per-thread variant), so a worker calling it would
-    set the thread count of unrelated threads. OpenMP's ``omp_set_num_threads`` and MKL's
-    ``MKL_Set_Num_Threads_Local`` set the calling thread's alone.
-    """
-    def find(name, libraries):
-        for lib in libraries:
-            try:
-                f = getattr(ctypes.CDLL(lib), name)
-            except (OSError, TypeError, AttributeError):
-                continue
-            f.argtypes, f.restype = [ctypes.c_int], ctypes.c_int
-            return f
-        return None
-
-    here = os.path.join(os.path.dirname(torch.__file__), "lib")
-    files = sorted(os.listdir(here)) if os.path.isdir(here) else []
-
-    def ours(*prefixes):  # torch's own copies first, then whatever the process has loaded
-        return [os.path.join(here, f) for f in files if f.startswith(prefixes)] + [None]
-
-    omp = find("omp_set_num_threads", ours("libgomp", "libiomp", "libomp", "libtorch_cpu.")) \
-        if torch.backends.openmp.is_available() else None
-    mkl = find("MKL_Set_Num_Threads_Local", ours("libtorch_cpu.", "torch_cpu.", "libmkl")) \
-        if torch.backends.mkl.is_available() else None
-    return omp, mkl
-
-
-def _one_thread_here() -> bool:
-    """Make torch's intra-op work single-threaded in the calling thread alone; whether it did."""
-    omp, mkl = _runtime_setters()
-    if omp is None or (mkl is None and torch.backends.mkl.is_available()):
-        return False
-    torch.get_num_threads()  # torch's own setup of a new thread first: it would undo ours later
-    omp(1)
-    if mkl is not None:
-        mkl(1)
-    return torch.get_num_threads() == 1  # it was the OpenMP runtime torch itself uses
-
-
-@functools.lru_cache(maxsize=None)
-def _thread_local_threads_work() -> bool:
-    """Whether :func:`_one_thread_here` works in this process (tried once, in a thread of its own)."""
-    result = []
-    probe = threading.Thread(target=lambda: result.append(_one_thread_here()))
-    probe.start()
-    probe.join()
-    return result == [True]
-
-
 def _any(t: torch.Tensor) -> bool:
     """``bool(t.any())``; False on the meta device, which has no data (the branches it guards
     change values, never shapes)."""
@@ -823,7 +749,7 @@ def _exp_(s: torch.Tensor, base2: bool = False) -> torch.Tensor:
     x <= :data:`EXP_FLOOR` (and -inf) exactly 0; NaN stays.
 
     torch's vectorised exp leaves its fast path for arguments whose result is subnormal or 0
-    (below about -87 in float32: 20 to 60 times slower on such lanes, e.g. -inf from a mask or
+    (below about -87 in float32: many times slower on such lanes, e.g. -inf from a mask or
     an ALiBi bias far below a row's max), so the arguments are first clamped to the floor and
     the results at the floor set to 0. Every caller exponentiates scores minus a shift at least
     their row's max or lse, so the row sums hold a term 1 (or sum to 1), and a term below
@@ -857,7 +783,7 @@ def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries, 
 
     Key blocks lie on a grid of ``block_k``; a query block visits those that meet the keys the
     mask lets it see (:meth:`Mask.key_span`), minus the tiles whose ``tile_state`` is "empty",
-    so hidden tiles are never computed (counted under ``BLOCKS_COMPUTED["skipped"]``).
+    so hidden tiles are never computed (counted under "skipped" by :func:`counting`).
     The query blocks of one key block are merged into panels of at most ``panel_queries``
     queries while they are consecutive (rows and positions) and alike: "full" tiles are not
     merged with "partial" ones, so a tall panel needs no keep mask."""
@@ -886,7 +812,7 @@ def _plan(blocks, lk, rest: Optional[Mask], block_k, mask_shape, panel_queries, 
             else:
                 panels.append([r0, r1, a0, whole, 1])
     if skipped:
-        BLOCKS_COMPUTED["skipped"] += skipped
+        _count("skipped", skipped)
     return [(k0, min(lk, k0 + block_k), r0, r1, a0, whole, tiles)
             for k0 in sorted(columns) for r0, r1, a0, whole, tiles in columns[k0]]
 

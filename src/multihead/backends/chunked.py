@@ -29,18 +29,17 @@ from .. import trace as _trace
 from .._checks import check_positive_int, check_qkv, check_scale
 from .._numerics import autocast_inputs, compute_dtype, outside_autocast
 from ..masks import Mask, as_mask
-from . import Backend, Call, _tiles, register
+from . import _tiles
+from .registry import Backend, Call, register
 from . import native as _native
-from ._tiles import BLOCKS_COMPUTED, _runs
+from ._tiles import _runs
 
-__all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES", "BLOCKS_COMPUTED"]
+__all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES"]
 
 #: default rows (queries x query heads per kv head) of a query block. With BLOCK_K, a tile of
 #: B·Hkv x 256 x 256 scores (2 MiB in float32 at B·Hkv = 8): each elementwise pass of the online
-#: softmax reads it from a nearer cache than a 512 x 512 tile's 8 MiB. Side by side on a 2-core
-#: AVX2 EPYC (benchmarks/bench_chunked.py), 256 x 256 against 512 x 512: causal L=4096 forward
-#: 0.80-0.92x the time, forward+backward 0.92x, full L=4096 0.87x, window(512) L=8192 0.84x,
-#: causal L=16384 0.97x, packed 8 x 1024 0.98x.
+#: softmax reads it from a nearer cache than a 512 x 512 tile's 8 MiB (256 x 256 against
+#: 512 x 512 side by side: docs/benchmarks.md, "Figures behind the code's choices").
 BLOCK_ROWS = 256
 #: default keys per key block
 BLOCK_K = 256
@@ -167,20 +166,19 @@ def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
     if dropout_p > 0:
         raise ValueError(f"the chunked backend does not do dropout (got dropout_p={dropout_p}); "
                          "use backend='sdpa' or 'reference' for dropout")
-    before, redone_before = BLOCKS_COMPUTED["forward"], BLOCKS_COMPUTED["redone"]
-    native_before = _native.CALLS["forward"]
-    out, lse = chunked_attention(q, k, v, mask, scale=scale, return_lse=True)
+    with _tiles.counting() as counts:
+        out, lse = chunked_attention(q, k, v, mask, scale=scale, return_lse=True)
     tr = _trace.current()
     if tr is not None:
         groups = q.shape[1] // k.shape[1]
-        ran_native = _native.CALLS["forward"] > native_before
+        ran_native = counts.native > 0
         bq, bk = (NATIVE_BLOCK_Q, NATIVE_BLOCK_K) if ran_native else (default_block_q(groups), BLOCK_K)
         total = math.ceil(q.shape[2] / bq) * math.ceil(k.shape[2] / bk)
         # panels redone with the exact max mean the forward ran a second, checked pass
-        redone = BLOCKS_COMPUTED["redone"] - redone_before
+        redone = counts["redone"]
         tr.record(_steps.FUSED_ATTENTION, out, params={
             "backend": "chunked", "block_q": bq, "block_k": bk, "kernel": "native" if ran_native else "torch tiles",
-            "tiles_computed": (BLOCKS_COMPUTED["forward"] - before) // (2 if redone else 1), "tiles_total": total,
+            "tiles_computed": counts["forward"] // (2 if redone else 1), "tiles_total": total,
             "redone": redone,
             "lk": k.shape[2], "head_dim": q.shape[-1],
             "mask_kinds": tuple(p.kind for p in mask.parts) if mask is not None else (),
@@ -231,5 +229,4 @@ BACKEND = register(
         describe=_describe,
         lse_fn=_backend_lse_fn,
     ),
-    auto_rank=1,
 )

@@ -42,17 +42,16 @@ function, and the translated functions of a given mask kind have the same code e
 second call with the same shapes, dtypes and mask kinds reuses the compiled kernel (torch's
 guards). Shapes are static: each new length compiles once (dynamic shapes hit a torch 2.13 CPU
 code-generation error, see ``_compiled``); past ``torch._dynamo.config.recompile_limit`` graphs
-torch runs flex_attention uncompiled (correct, slow, with torch's warning). :func:`run` with
+torch runs flex_attention uncompiled (correct, slow, with torch's warning). :func:`flex_forward` with
 ``compiled=False`` runs torch's unfused reference path of FlexAttention instead (it materialises
 the scores, takes float64 and returns the log-sum-exp on the CPU too): it checks a translation
 without compiling.
 
 ``backend="auto"`` (sdpa comes first, then flex, then chunked): on the CPU it picks flex for
 inference in float32 on masks with packed documents, where sdpa declined the call (its dense
-mask over budget) and chunked would run: side by side in ``benchmarks/bench_flex.py`` (AMD EPYC,
-2 threads, torch 2.13) compiled flex took 0.20-0.63x chunked's time for 8 causal documents at
-L = 1024-8192, and 0.16-0.44x sdpa's with the dense mask, but 1.3-2.0x sdpa's for plain causal,
-besides a 5-20 s compile per new shape (:data:`AUTO_CPU` = False turns the CPU pick off). On
+mask over budget) and chunked would run: there compiled flex was faster than both, and slower
+than sdpa for plain causal, besides a compile per new shape (side by side with
+``benchmarks/bench_flex.py``: docs/benchmarks.md; :data:`AUTO_CPU` = False turns the CPU pick off). On
 CUDA it picks flex for what sdpa refuses or declines (score mods, sinks, masks whose dense tensor
 is over budget) at sizes where chunked would run, from torch's published figures (FlexAttention
 reaches about 90% of FlashAttention-2's forward; chunked's Python tiles launch several kernels
@@ -78,12 +77,13 @@ from .. import masks as _masks
 from .._checks import check_positive_int
 from .._numerics import compute_dtype
 from ..masks import Mask, MaskLike, as_4d, as_mask
-from . import Backend, Call, register
+from . import chunked as _chunked
+from .registry import Backend, Call, register
 
 if TYPE_CHECKING:  # the module is imported lazily at run time (see _flex)
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["run", "translate", "Translation", "to_block_mask", "from_block_mask", "tile_states", "BLOCK_SIZE", "COMPILE", "AUTO_CPU",
+__all__ = ["flex_forward", "translate", "Translation", "to_block_mask", "from_block_mask", "tile_states", "BLOCK_SIZE", "COMPILE", "AUTO_CPU",
            "CPU_DTYPES"]
 
 #: the tile side of the block masks built here (FlexAttention's default)
@@ -92,7 +92,7 @@ BLOCK_SIZE = 128
 #: measured it faster on: float32, packed documents, where sdpa declined the call)
 AUTO_CPU = True
 #: False: outside a torch.compile region, run torch's unfused FlexAttention instead of compiling
-#: (see :func:`run`; for checking translations where a compile per new shape costs too much,
+#: (see :func:`flex_forward`; for checking translations where a compile per new shape costs too much,
 #: as in the test suite: tests/conftest.py sets it)
 COMPILE = True
 #: the dtypes torch's compiled CPU FlexAttention accepts
@@ -452,7 +452,7 @@ def from_block_mask(block_mask: "BlockMask", *, B: Optional[int] = None, H: Opti
 # -- running
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float,
+def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float,
         compiled: Optional[bool] = None, return_lse: bool = False) -> Any:
     """flex_attention on q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) with ``mask``
     translated; (B, H, Lq, Dv), and with ``return_lse`` also the log-sum-exp (B, H, Lq) float32
@@ -506,7 +506,7 @@ def _backend_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
     if dropout_p > 0:
         raise ValueError(f"the flex backend does not do dropout (got dropout_p={dropout_p}); "
                          "use backend='sdpa' or 'reference' for dropout")
-    out: torch.Tensor = run(q, k, v, mask, scale=scale)
+    out: torch.Tensor = flex_forward(q, k, v, mask, scale=scale)
     tr = _trace.current()
     if tr is not None:
         shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -566,10 +566,9 @@ def _refuses(call: Call) -> Optional[str]:
 def _auto_declines(call: Call) -> Optional[str]:
     """``auto`` reaches flex only where sdpa refused or declined the call (sdpa comes first);
     flex then takes it where it was measured faster than what comes next (chunked, reference)."""
-    from .chunked import AUTO_MIN_SCORES
     lq, lk = call.q.shape[2], call.k.shape[2]
-    if lq * lk < AUTO_MIN_SCORES:
-        return (f"Lq·Lk = {lq * lk} is below chunked.AUTO_MIN_SCORES = {AUTO_MIN_SCORES}: a dense kernel "
+    if lq * lk < _chunked.AUTO_MIN_SCORES:
+        return (f"Lq·Lk = {lq * lk} is below chunked.AUTO_MIN_SCORES = {_chunked.AUTO_MIN_SCORES}: a dense kernel "
                 "is faster than compiling one at this size")
     if call.q.device.type != "cpu":
         return None
@@ -582,7 +581,7 @@ def _auto_declines(call: Call) -> Optional[str]:
     kinds = set() if call.mask is None else {p.kind for p in call.mask.parts}
     if "documents" not in kinds:
         return ("on the CPU it was measured faster than chunked for packed documents only: for causal it "
-                "ran 1.3-2.0x slower than sdpa (benchmarks/bench_flex.py); the other masks were not measured")
+                "ran slower than sdpa (benchmarks/bench_flex.py, docs/benchmarks.md); the other masks were not measured")
     return None
 
 
@@ -611,5 +610,4 @@ BACKEND = register(
         auto_declines=_auto_declines,
         describe=_describe,
     ),
-    auto_rank=1,
 )

@@ -30,13 +30,11 @@ import torch.nn.functional as F
 from .. import steps as _steps
 from .. import trace as _trace
 from .._numerics import compute_dtype, finite_row_max, is_default_scale
-from ..heads import REPEAT_KV_PATTERN, repeat_kv
+from ..heads import repeat_kv
 from ..masks import Mask
-from . import Backend, Call, register
+from .registry import Backend, Call, register
 
 _NEG_INF = float("-inf")
-SCORES_PATTERN = "b h q d, b h k d -> b h q k"
-WEIGHTED_SUM_PATTERN = "b h q k, b h k d -> b h q d"
 SCORE_AXES = ("b", "h", "q", "k")
 
 
@@ -148,7 +146,7 @@ def _softmax_checks(weights: torch.Tensor, scores: torch.Tensor, sink: bool = Fa
     return checks
 
 
-def attend(
+def forward_with_weights(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -186,14 +184,14 @@ def attend(
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
 ) -> torch.Tensor:
-    return attend(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
+    return forward_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0]
 
 
 def reference_attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask], *, scale: float, dropout_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lse: list[torch.Tensor] = []
-    out = attend(q, k, v, mask, scale=scale, dropout_p=dropout_p, lse=lse)[0]
+    out = forward_with_weights(q, k, v, mask, scale=scale, dropout_p=dropout_p, lse=lse)[0]
     return out, lse[0]
 
 
@@ -209,5 +207,4 @@ BACKEND = register(
         summary="plain tensor ops in the tutorials' order; materialises the (B, H, Lq, Lk) scores",
         lse_fn=reference_attention_lse,
     ),
-    auto_rank=0,
 )

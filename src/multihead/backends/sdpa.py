@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, as_4d, split_additive
-from . import Backend, Call, _tiles, get, register
+from . import _tiles
+from .registry import Backend, Call, get, register
 from .._numerics import compute_dtype
 
 #: ``backend="auto"`` passes a call on to the next backend when the dense (Lq, Lk) tensors an
@@ -316,5 +317,4 @@ BACKEND = register(
         describe=_describe,
         takes_plain=_within_any_budget,
     ),
-    auto_rank=0,
 )

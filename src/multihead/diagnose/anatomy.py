@@ -12,7 +12,7 @@ output ``out_proj``/``W_o``/``o_proj``/``wo``/``dense``/``proj``), then by their
 (four square ``nn.Linear`` in q, k, v, out order). The head count comes from an attribute
 (``num_heads``, ``n_heads``, ``h``, ``head_dim``...) or, when none is found, from trial runs
 (:data:`Anatomy.num_heads` is then None and the caller tries every divisor of d_out).
-How to call the module comes from ``forward``'s signature (:class:`Call`).
+How to call the module comes from ``forward``'s signature (:class:`ForwardSignature`).
 
 Legend: E the query input's features, d_out = H * D the projections' width.
 """
@@ -30,7 +30,7 @@ import torch.nn as nn
 from .._checks import check_positive_int
 from ..interop import from_torch
 
-__all__ = ["Anatomy", "Call", "find_anatomy", "NotAttention", "MAX_PARAMETERS", "LOOKED_FOR"]
+__all__ = ["Anatomy", "ForwardSignature", "find_anatomy", "NotAttention", "MAX_PARAMETERS", "LOOKED_FOR"]
 
 #: a module with more parameters than this is refused: diagnose one attention layer, not a model
 MAX_PARAMETERS = 50_000_000
@@ -67,7 +67,7 @@ class NotAttention(ValueError):
 
 
 @dataclass(frozen=True)
-class Call:
+class ForwardSignature:
     """How to call the module's forward: the names of its query, key and value parameters (key
     and value None when forward takes one input: self-attention only), of its mask parameter
     (None: no mask), and what else the caller passes (``kwargs``)."""
@@ -118,7 +118,7 @@ class Anatomy:
     bo: Optional[torch.Tensor]
     num_heads: Optional[int]
     batch_first: Optional[bool]
-    call: Call
+    call: ForwardSignature
     names: dict[str, str]
     params: dict[int, str]
 
@@ -215,7 +215,7 @@ def _heads(module: nn.Module, d_out: int) -> Optional[int]:
     return None
 
 
-def _call(module: nn.Module, kwargs: dict[str, Any]) -> Call:
+def _call(module: nn.Module, kwargs: dict[str, Any]) -> ForwardSignature:
     sig = inspect.signature(module.forward)
     params = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if not params:
@@ -237,7 +237,7 @@ def _call(module: nn.Module, kwargs: dict[str, Any]) -> Call:
         example = ", ".join(f"{n!r}: ..." for n in needed)
         raise ValueError(f"{type(module).__name__}.forward needs {what}, which diagnose cannot guess: pass "
                          f"kwargs={{{example}}} (CLI: --arg {needed[0]}=VALUE)")
-    return Call(query, key, value, mask, positional, dict(kwargs))
+    return ForwardSignature(query, key, value, mask, positional, dict(kwargs))
 
 
 def find_anatomy(module: nn.Module, *, num_heads: Optional[int] = None, batch_first: Optional[bool] = None,

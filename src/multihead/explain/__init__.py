@@ -1,9 +1,10 @@
 """``multihead explain``: the walkthrough (text/json/markdown), the visual formats, real models.
 
-``multihead.explain(module_or_trace, x, ...)`` is this package called as a function: the name
-is both the package and :func:`.explanation.explain` (importing a submodule such as
-``multihead.explain.visual`` makes ``multihead.explain`` the package, so the package itself is
-the callable). It is imported on first use: ``import multihead`` does not load it.
+The name ``explain`` means this package and the command that prints what it draws (``multihead
+explain``). The walkthrough of your own module or trace is
+``multihead.explain_module(module_or_trace, x, ...)`` (:func:`.explanation.explain_module`); a
+real model's page is ``multihead.explain_model(name, text)``. Both are loaded on first use:
+``import multihead`` does not import this package.
 
 Shared here: :class:`UsageError` (what the command line reports as one line, exit 2) and the
 ``--out`` handling every format uses: :func:`check_out` before any work, :func:`write_output`
@@ -12,28 +13,11 @@ at the end. Imports point one way: the CLI imports this package, never the rever
 
 from __future__ import annotations
 
-import sys
 import tempfile
-import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
-
-if TYPE_CHECKING:
-    from .explanation import Explanation
+from typing import Optional, Union
 
 __all__ = ["UsageError", "ExplainWarning", "check_out", "write_output"]
-
-
-class _ExplainPackage(types.ModuleType):
-    """The ``multihead.explain`` package, callable as :func:`.explanation.explain`."""
-
-    def __call__(self, source: Any, *inputs: Any, **options: Any) -> "Explanation":
-        from .explanation import explain
-
-        return explain(source, *inputs, **options)
-
-
-sys.modules[__name__].__class__ = _ExplainPackage
 
 
 class UsageError(ValueError):

@@ -1,8 +1,8 @@
-"""``multihead.explain(module_or_trace, x, ...)``: the walkthrough of the user's own attention.
+"""``multihead.explain_module(module_or_trace, x, ...)``: the walkthrough of the user's own attention.
 
 >>> import torch, multihead
 >>> mha = multihead.MultiHeadAttention(8, 2, causal=True)            # backend="auto": one fused step
->>> e = multihead.explain(mha, torch.randn(1, 3, 8))
+>>> e = multihead.explain_module(mha, torch.randn(1, 3, 8))
 >>> e.reopened, e.agreement.ok, e.all_checks_hold
 (True, True, True)
 >>> "softmax" in e.text()
@@ -51,7 +51,7 @@ AGREEMENT_CHECK = "the fused backend's output equals the reference backend's wit
 #: code, which has no rotary embeddings, masks, cache or separate values
 _PLAIN_CODE_CHECK = "output equals the tutorial's plain code in float64"
 
-__all__ = ["Agreement", "Explanation", "explain"]
+__all__ = ["Agreement", "Explanation", "explain_module"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Agreement:
 
 
 class Explanation:
-    """What :func:`explain` found: the walkthrough shown, its checks, and its renderings.
+    """What :func:`explain_module` found: the walkthrough shown, its checks, and its renderings.
 
     Attributes:
         walkthrough: the :class:`.walkthrough.Walkthrough` every format renders (its ``checks``
@@ -219,9 +219,9 @@ def _float64(obj: Any) -> Any:
 def _check_inputs(module: MultiHeadAttention, inputs: Sequence[Any], cache: Any) -> None:
     """Type and size checks before any work: the module's own forward checks the rest."""
     if not inputs:
-        raise TypeError("explain(module, x, ...) needs the input x (B, Lq, d_in) to run the module on")
+        raise TypeError("explain_module(module, x, ...) needs the input x (B, Lq, d_in) to run the module on")
     if len(inputs) > 3:
-        raise TypeError(f"explain(module, x, key=None, value=None) takes at most 3 tensors, got {len(inputs)}")
+        raise TypeError(f"explain_module(module, x, key=None, value=None) takes at most 3 tensors, got {len(inputs)}")
     for name, t in zip(("x", "key", "value"), inputs):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (B, L, features), got {type(t).__name__}")
@@ -270,7 +270,7 @@ def _agreement(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, c
     return Agreement(backend, _max_abs_diff(fused, reference), error, tolerance, error <= tolerance)
 
 
-def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cache: Any = None,
+def explain_module(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cache: Any = None,
             layer: Optional[int] = None) -> Explanation:
     """The walkthrough of ``source``: a :class:`multihead.MultiHeadAttention` run on ``inputs``,
     or a :class:`multihead.Trace` the user recorded (then no inputs).
@@ -292,7 +292,7 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
     """
     if isinstance(source, Trace):
         if inputs or mask is not None or cache is not None:
-            raise TypeError("explain(trace) takes no inputs, mask or cache: the trace already ran; "
+            raise TypeError("explain_module(trace) takes no inputs, mask or cache: the trace already ran; "
                             "pass the module instead to run it on inputs")
         if not source.steps:
             raise ValueError("the trace recorded no steps: run the module inside `with multihead.trace() as tr:`")
@@ -313,10 +313,10 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
     if isinstance(source, PerHeadAttention):   # the same function, one fused module (from_per_head)
         source = MultiHeadAttention.from_per_head(source)
     if isinstance(source, torch.nn.Module) and not isinstance(source, MultiHeadAttention):
-        return _explain_module(source, inputs, mask, cache)
+        return _explain_any_module(source, inputs, mask, cache)
     if not isinstance(source, MultiHeadAttention):
         raise TypeError(
-            "explain takes a multihead.MultiHeadAttention, a PerHeadAttention, a module that calls multihead.attention "
+            "explain_module takes a multihead.MultiHeadAttention, a PerHeadAttention, a module that calls multihead.attention "
             f"(and its inputs) or a multihead.Trace, got {type(source).__name__}"
         )
     _check_inputs(source, inputs, cache)
@@ -336,22 +336,22 @@ def explain(source: Any, *inputs: Optional[torch.Tensor], mask: Any = None, cach
     return Explanation(_walkthrough(source, inputs, mask, cache, ref, out), fused_trace=tr, agreement=agreement)
 
 
-def _explain_module(module: torch.nn.Module, inputs: tuple[Any, ...], mask: Any, cache: Any) -> Explanation:
+def _explain_any_module(module: torch.nn.Module, inputs: tuple[Any, ...], mask: Any, cache: Any) -> Explanation:
     """A module of the user's (or ``multihead.nn.MultiheadAttention``) that calls
     :func:`multihead.attention`: run once on ``inputs`` under a trace rooted at it, explained as
     that trace (its steps, their own checks)."""
     if mask is not None or cache is not None:
-        raise TypeError(f"explain({type(module).__name__}, ...) runs module(*inputs): pass the mask or cache the way "
+        raise TypeError(f"explain_module({type(module).__name__}, ...) runs module(*inputs): pass the mask or cache the way "
                         "your module takes them, inside inputs (mask= and cache= are MultiHeadAttention's)")
     if not inputs:
-        raise TypeError(f"explain({type(module).__name__}, ...) needs the inputs to run it on: explain(module, x)")
+        raise TypeError(f"explain_module({type(module).__name__}, ...) needs the inputs to run it on: explain_module(module, x)")
     with torch.no_grad(), trace(keep_values=True, root=module) as tr:
         module(*inputs)
     if not tr.steps:
-        raise TypeError("explain takes a multihead.MultiHeadAttention (and its inputs), a PerHeadAttention, a module "
+        raise TypeError("explain_module takes a multihead.MultiHeadAttention (and its inputs), a PerHeadAttention, a module "
                         f"that calls multihead.attention or a multihead.Trace, got {type(module).__name__}, which did not call "
                         "multihead.attention (nothing was recorded)")
-    return explain(tr)
+    return explain_module(tr)
 
 
 def _walkthrough(module: MultiHeadAttention, inputs: tuple[Any, ...], mask: Any, cache: Any, tr: Trace,

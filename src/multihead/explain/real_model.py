@@ -16,7 +16,7 @@ What is shown:
 * ``--neuron``: the neuron view of ``--layer`` (default 0), ``--head`` (default 0) and
   ``--token`` (default: the last token), :mod:`.neuron`; ``--format html`` writes it as a page.
 
-This module is the command (:func:`run` for text, :func:`run_visual` for ``--format html|png``)
+This module is the command (:func:`command` for text, :func:`command_visual` for ``--format html|png``)
 and the API's one import path; the pieces live by concept: the text report in :mod:`.model_text`,
 one real layer's walkthrough in :mod:`.model_layer`, the page (:func:`explain_model`,
 :func:`explain_attentions`) in :mod:`.model_page`, the run in :mod:`.recording` and
@@ -24,7 +24,7 @@ one real layer's walkthrough in :mod:`.model_layer`, the page (:func:`explain_mo
 
 Reusable pieces: :func:`attention_for_text` -- ``(tokens, weights (layers, H, L, L))``;
 :func:`layer_maps` -- one :class:`~multihead.explain.visual.HeadMaps` per layer for
-``--format html|png`` (:func:`run_visual`), opened at :func:`default_layer` (the layer with the
+``--format html|png`` (:func:`command_visual`), opened at :func:`default_layer` (the layer with the
 most labelled heads, the earliest on a tie).
 """
 
@@ -61,8 +61,8 @@ __all__ = [
     "layer_walkthrough",
     "display_width",
     "model_summary",
-    "run",
-    "run_visual",
+    "command",
+    "command_visual",
     "ModelPage",
     "explain_model",
     "AttentionsPage",
@@ -117,9 +117,9 @@ def _real(args) -> "RealRun | LongRun":
     return real
 
 
-def run(args, stdout) -> int:
+def command(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] [--head H] [--token T | --neuron]
-    [--lang zh] [--out FILE]``: the text report (``--format html|png`` go to :func:`run_visual`)."""
+    [--lang zh] [--out FILE]``: the text report (``--format html|png`` go to :func:`command_visual`)."""
     lang = getattr(args, "lang", "en")
     fmt = getattr(args, "format", "text")
     if fmt != "text":
@@ -167,7 +167,7 @@ def run(args, stdout) -> int:
     return 0
 
 
-def run_visual(args, stdout) -> int:
+def command_visual(args, stdout) -> int:
     """``multihead explain --model M [--text T] [--layer L] --format html|png --out FILE``.
 
     html: one page with every layer's heads (a layer selector), opened at ``--layer`` (default

@@ -46,7 +46,7 @@ from .i18n import check_name, describe_step, note_text, step_title, trace_sizes,
 from .visual_svg import axis_sizes, step_kind, step_svg
 
 __all__ = ["HeadMaps", "head_maps_from_trace", "page_data", "weights8", "bits8", "render_html", "step_kind", "prepare",
-           "write", "run"]
+           "write", "command"]
 
 
 @dataclass
@@ -184,7 +184,7 @@ def head_maps_from_trace(
     if found is None:
         raise ValueError(
             "the trace has no attention steps (no scores and softmax); record it with the reference "
-            "backend (backend='reference' or return_weights=True), or use multihead.explain, which re-runs a fused one"
+            "backend (backend='reference' or return_weights=True), or use multihead.explain_module, which re-runs a fused one"
         )
     weights, scores, before = found.softmax.tensor, found.scaled.tensor, found.before_softmax.tensor
     q = found.q.tensor if found.q is not None else None
@@ -618,12 +618,12 @@ def write(
     return 0
 
 
-def run(args: Options, stdout) -> int:
+def command(args: Options, stdout) -> int:
     """``multihead explain --format html|png --out FILE`` for the module example; returns the exit code.
 
-    The example is the walkthrough the text formats print (:func:`.walkthrough.explain`): the
+    The example is the walkthrough the text formats print (:func:`.walkthrough.example_walkthrough`): the
     same steps, numbers and checks.
     """
     out = prepare(args, stdout)
-    w = _walkthrough.explain(args.example)
+    w = _walkthrough.example_walkthrough(args.example)
     return write(args, out, w, head_maps_from_trace(w.trace), stdout)

@@ -9,7 +9,7 @@ any failed.
 
 API for other front ends::
 
-    w = explain(ExampleConfig(), per_head=False, cost=False)   # a Walkthrough
+    w = example_walkthrough(ExampleConfig(), per_head=False, cost=False)   # a Walkthrough
     render_text(w, lang="en", values=True, color=False)         # or render_markdown / render_json
 """
 
@@ -38,11 +38,11 @@ __all__ = [
     "build_example",
     "trace_example",
     "Walkthrough",
-    "explain",
+    "example_walkthrough",
     "render_text",
     "render_markdown",
     "render_json",
-    "run",
+    "command",
     "WIDTH",
 ]
 
@@ -97,7 +97,7 @@ class Walkthrough:
         return trace_sizes(self.trace)
 
 
-def explain(config: ExampleConfig = ExampleConfig(), *, per_head: bool = False, cost: bool = False) -> Walkthrough:
+def example_walkthrough(config: ExampleConfig = ExampleConfig(), *, per_head: bool = False, cost: bool = False) -> Walkthrough:
     """Run the example of ``config`` traced, recompute every step, optionally compare with the
     per-head reference and count the cost."""
     mha, inputs, t, y = run_example(config, keep_values=True)
@@ -491,7 +491,7 @@ def render_json(w: Walkthrough, *, lang: str = "en", values: bool = True) -> str
 
 
 # ---------------------------------------------------------------------------------- CLI entry
-def run(options: Options, stdout) -> int:
+def command(options: Options, stdout) -> int:
     """``multihead explain`` for the text, json and markdown formats of ``options.example``.
     Returns the exit code: 0 when every check held, 1 when one failed. An ``out`` that cannot
     be written raises UsageError (a ValueError) before any work."""
@@ -500,9 +500,9 @@ def run(options: Options, stdout) -> int:
                         "(multihead.cli.parse_options builds one from command-line flags)")
     if options.format not in ("text", "json", "markdown"):
         raise ValueError(f"the walkthrough writes text, json or markdown, not {options.format!r}; "
-                         "html and png are multihead.explain.visual.run")
+                         "html and png are multihead.explain.visual.command")
     out = check_out(options.out)
-    w = explain(options.example, per_head=options.per_head, cost=options.cost)
+    w = example_walkthrough(options.example, per_head=options.per_head, cost=options.cost)
     lang, values = options.lang, options.values
     if options.format == "json":
         text = render_json(w, lang=lang, values=values)

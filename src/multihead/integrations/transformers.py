@@ -75,7 +75,7 @@ from .. import masks as _masks
 from ..masks.convert import from_hf as _from_hf
 from ..trace import current as _current_trace
 from .._progress import Progress, progress
-from ..functional import attention, attention_with_weights
+from ..functional import attention, attention_core, prepare_inputs
 
 __all__ = ["NAME", "register", "attention_forward", "call_mask", "to_mask", "load", "from_gguf"]
 
@@ -187,7 +187,7 @@ def attention_forward(
     if tr is not None:  # the steps recorded below are this layer's: its path under the traced model
         tr.enter(module)
     if want_weights:
-        out, weights = attention_with_weights(query, key, value, mask, scale=scaling, dropout_p=dropout_p)
+        out, weights = attention_core(*prepare_inputs(query, key, value, mask, scaling, dropout_p), returns="weights")
     else:
         out = attention(query, key, value, mask, scale=scaling, dropout_p=dropout_p, backend=backend)
         weights = None
