@@ -5,8 +5,8 @@ Two neutral inputs feed both formats, so any source can be drawn:
 * a :class:`multihead.Trace` recorded with ``keep_values=True`` (the steps, their shapes, axes,
   patterns, view/copy flags, checks, and values; the config and the backend that ran);
 * per-head attention maps, :class:`HeadMaps` (:mod:`.head_maps`), one per batch element (or one
-  per layer of a model): the weights (H, Lq, Lk), optionally the scores and the mask, the query/key tokens
-  when there are tokens, and a label per head.
+  per layer of a model): the weights (H, Lq, Lk), optionally the scores and the mask, the
+  query/key tokens when there are tokens, and a label per head.
 
 A source (the module example here, a pretrained model in :mod:`.real_model`) calls
 :func:`prepare` first (argument checks, before any work), then :func:`write` with its trace and
