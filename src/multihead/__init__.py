@@ -27,7 +27,8 @@ Public surface:
 
 from . import backends, masks, nn, steps
 from .cache import KVCache, KVCaches, StaticKVCache
-from .ragged import PagedKVCache, RaggedKVCache
+from .paged import PagedKVCache
+from .ragged import RaggedKVCache
 from .config import AttentionConfig
 from .functional import attention, attention_weights, explain_dispatch, merge
 from .module import MultiHeadAttention

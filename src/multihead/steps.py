@@ -8,6 +8,10 @@
     >>> s.kind.id, s.params["head_dim"], s.title("zh")
     ('scale', 4, '缩放')
 
+One concept, long on purpose: the table holds every step kind with its English and Chinese
+words, and the small functions that fill a text from a step's params sit beside the kinds
+that use them, so a kind and everything it says are read in one place.
+
 A :class:`StepKind` says what a step is: its id, the English name its label is built from, its
 einops pattern and axis names, its title and one-line meaning in English and Chinese, the note
 it carries (written from the step's structured ``params``), how :mod:`multihead.explain.cost`

@@ -1,5 +1,8 @@
 """``multihead explain`` as text, JSON or Markdown: every step of a real forward pass.
 
+One concept past 500 lines: the `Walkthrough` and its three renderings, which share the step
+blocks, the value tables and the check lines (the HTML and PNG pictures are :mod:`.visual`).
+
 It builds ``MultiHeadAttention(..., backend="reference")`` (see :mod:`multihead.explain.example`),
 runs ``mha(x)`` (or ``mha(x, memory)``) inside :func:`multihead.trace`, and prints each recorded
 step: its title, shape with axis names, einops pattern, whether data moved, one line of meaning
