@@ -90,7 +90,7 @@ def data(B: int = 1, L: int = 4, seed: int = 1, dtype=torch.float64) -> tuple:
 # ------------------------------------------------------------------------------ the layout
 def test_qkv_parameters_are_rows_of_one_block_and_keep_their_names():
     m = build()
-    block, bias = m.stacked_qkv()
+    block, bias, _ = m.stacked_qkv()
     assert torch.equal(block, torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]))
     assert torch.equal(bias, torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]))
     assert m.k_proj.weight.data_ptr() == block.data_ptr() + D * D * block.element_size()

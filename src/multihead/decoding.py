@@ -2,7 +2,7 @@
 
     >>> import torch, multihead
     >>> mha = multihead.MultiHeadAttention(16, 4, causal=True).eval()
-    >>> w, b = mha.stacked_qkv()                   # the q/k/v parameters are its rows
+    >>> w, b, _ = mha.stacked_qkv()                # the q/k/v parameters are its rows
     >>> w.shape, mha.k_proj.weight.data_ptr() == w[16:].data_ptr()
     (torch.Size([48, 16]), True)
 
@@ -77,7 +77,7 @@ Legend: B batch, Lq new tokens, H query heads, Hkv key/value heads, D head dim.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -89,18 +89,14 @@ from . import trace as _trace
 from ._numerics import default_scale
 from .backends import Call
 from .cache import KVCache
-from .heads import merge_heads, split_heads
+from .heads import _merge_heads, _split_heads
 
 __all__ = ["StackedQKV", "DecodeStep", "ENABLED", "plain", "linear", "block_for", "project_stacked"]
 
 #: False: every call takes the module's general path (for comparing, and for benchmarks)
 ENABLED = True
 
-#: (weight (d_out + 2 kv_dim, d_in), bias (d_out + 2 kv_dim,) or None)
-Block = tuple[torch.Tensor, Optional[torch.Tensor]]
-
-
-class StackedQKV:
+class StackedQKV(NamedTuple):
     """The block [W_q; W_k; W_v] (and [b_q; b_k; b_v]) whose rows three ``nn.Linear`` parameters are.
 
         >>> import torch.nn as nn
@@ -109,16 +105,14 @@ class StackedQKV:
         >>> s.weight.shape, s.holds(q, k, v), k.bias.data_ptr() == s.bias[8:].data_ptr()
         (torch.Size([16, 8]), True, True)
 
-    Attributes:
-        weight: (rows of q + k + v, d_in), the block.
-        bias: the biases' block, or None for projections without bias.
-        rows: the six views (q, k, v weights, then biases) the parameters are set to.
+    Fields: ``weight`` (rows of q + k + v, d_in), the block; ``bias``, the biases' block, or None
+    for projections without bias; ``rows``, the views (q, k, v weights, then biases) the
+    parameters are set to.
     """
 
-    __slots__ = ("weight", "bias", "rows")
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], rows: tuple[torch.Tensor, ...]) -> None:
-        self.weight, self.bias, self.rows = weight, bias, rows
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    rows: tuple[torch.Tensor, ...]
 
     @classmethod
     def stack(cls, q: nn.Module, k: nn.Module, v: nn.Module) -> Optional["StackedQKV"]:
@@ -193,7 +187,7 @@ def linear(lin: nn.Module, x: torch.Tensor, is_plain: bool) -> torch.Tensor:
     return out
 
 
-def block_for(mha: Any, query: torch.Tensor, is_plain: Optional[bool] = None) -> Optional[Block]:
+def block_for(mha: Any, query: torch.Tensor, is_plain: Optional[bool] = None) -> Optional[StackedQKV]:
     """The block ``mha.stacked_qkv()`` for a self-attention call of ``query`` that may use it
     (one row, eager, no gradient can reach the weights, `plain` projections; see the module
     docstring), else None: the call makes three products.
@@ -213,15 +207,15 @@ def block_for(mha: Any, query: torch.Tensor, is_plain: Optional[bool] = None) ->
     if torch.is_grad_enabled() and (query.requires_grad or any(
             p.requires_grad for lin in projections[:3] for p in lin._parameters.values() if p is not None)):
         return None  # autograd would record a product with the parameters
-    block: Optional[Block] = mha.stacked_qkv()
+    block: Optional[StackedQKV] = mha.stacked_qkv()
     return block
 
 
-def project_stacked(query: torch.Tensor, block: Block, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+def project_stacked(query: torch.Tensor, block: StackedQKV, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     """Q (B, H, Lq, D), K, V (B, Hkv, Lq, D), views of the one product of ``query`` (B, Lq, d_in)
     with the block: the heads of all three split at once (H + 2 Hkv heads), then apart."""
     qkv = F.linear(query, block[0], block[1])  # (B, Lq, d_out + 2 kv_dim)
-    return split_heads(qkv, heads + 2 * kv_heads).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
+    return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
 
 
 class DecodeStep:
@@ -243,7 +237,7 @@ class DecodeStep:
     __slots__ = ("_cache", "_key", "_shape", "_dtype", "_device", "_device_type", "_inference",
                  "_block", "_backend", "_auto", "_heads", "_scale", "_stacked")
 
-    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, block: Optional[Block],
+    def __init__(self, mha: Any, query: torch.Tensor, cache: KVCache, block: Optional[StackedQKV],
                  backend: _backends.Backend, auto: bool) -> None:
         self._cache = weakref.ref(cache)  # a cache dropped by the caller is not kept alive here
         self._key = weakref.ref(cache.key)  # its key buffer: a reallocation (select, a new layout) ends this
@@ -273,7 +267,7 @@ class DecodeStep:
         batch = query.shape[0]
         block = mha.stacked_qkv() if batch == 1 else None
         key, value = cache.key, cache.value
-        if (batch == 1 and (block is None or block[0].dtype != query.dtype)) or key is None or value is None \
+        if (batch == 1 and (block is None or block.weight.dtype != query.dtype)) or key is None or value is None \
                 or not cache.settled \
                 or (mha.training and mha.config.dropout > 0) or not plain(mha.projections) \
                 or torch.is_autocast_enabled(query.device.type) \
@@ -293,7 +287,7 @@ class DecodeStep:
 
     def __call__(self, mha: Any, query: torch.Tensor, cache: KVCache) -> Optional[torch.Tensor]:
         """The step's output (B, 1, d_out), or None (nothing done) when a guard fails."""
-        backend = self._backend
+        backend, block = self._backend, self._block
         projections = mha.projections
         if (self._cache() is not cache or type(query) is not torch.Tensor or query.shape != self._shape
                 or query.dtype is not self._dtype or query.device != self._device
@@ -302,23 +296,21 @@ class DecodeStep:
                 or (mha.training and mha.config.dropout > 0)
                 or self._key() is not cache.key or not cache.settled or cache.keep is not None
                 or cache.length >= cache.max_len
-                or _backends.get(backend.name) is not backend
                 or (self._auto and _backends.AUTO_ORDER[0] != backend.name)
-                or not plain(projections)):
+                or _backends.get(backend.name) is not backend
+                or not plain(projections)
+                # B = 1: the parameters are still rows of the block (the module's: it stacks anew only when not)
+                or (block is not None and not block.holds(projections[0], projections[1], projections[2]))):
             return None
         heads, kv_heads = self._heads
-        block = self._block
-        if block is not None:  # B = 1: the one product with the stacked block, if it is still the module's
-            now = mha.stacked_qkv()
-            if now is None or now[0] is not block[0]:
-                return None
+        if block is not None:  # B = 1: the one product with the stacked block
             q, k, v = project_stacked(query, block, heads, kv_heads)
         else:  # B > 1: three products, as the general path makes them
-            q, k, v = (split_heads(linear(lin, query, True), n)
+            q, k, v = (_split_heads(linear(lin, query, True), n, None)
                        for lin, n in zip(projections[:3], (heads, kv_heads, kv_heads)))
         rope = mha.rope
         if rope is not None:
             q, k = rope(q, cache.length), rope(k, cache.length)
         k, v = cache.store(k, v)
         o = backend.fn(q, k, v, None, scale=self._scale, dropout_p=0.0)  # (B, H, 1, D)
-        return linear(projections[3], merge_heads(o), True)
+        return linear(projections[3], _merge_heads(o, None), True)

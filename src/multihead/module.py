@@ -319,13 +319,13 @@ class MultiHeadAttention(nn.Module):
         mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
         return mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["out_proj"]
 
-    def stacked_qkv(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """([W_q; W_k; W_v] (d_out + 2 kv_dim, d_in), [b_q; b_k; b_v] or None): the block the
-        q/k/v parameters are rows of, or None when they are not (cross-attention sizes, a
-        replaced projection, or a parameter re-bound since: then the old block is released).
+    def stacked_qkv(self) -> Optional[_decoding.StackedQKV]:
+        """(weight [W_q; W_k; W_v] (d_out + 2 kv_dim, d_in), bias [b_q; b_k; b_v] or None, rows):
+        the block the q/k/v parameters are rows of, or None when they are not (cross-attention
+        sizes, a replaced projection, or a parameter re-bound since: the old block is released).
 
             >>> mha = MultiHeadAttention(16, 4, num_kv_heads=2)
-            >>> mha.stacked_qkv()[0].shape                 # 16 + 2 * 8 rows
+            >>> mha.stacked_qkv().weight.shape             # 16 + 2 * 8 rows
             torch.Size([32, 16])
 
         See `multihead.decoding` (the block is what a one-row call projects with)."""
@@ -336,7 +336,7 @@ class MultiHeadAttention(nn.Module):
         if not stacked.holds(q, k, v):
             self._stacked = None  # a parameter was re-bound: release the old block's memory
             return None
-        return stacked.weight, stacked.bias
+        return stacked
 
     def _stack_qkv(self) -> None:
         """Make the q/k/v parameters rows of one block, keeping their values (a no-op when they are)."""
@@ -546,8 +546,10 @@ class MultiHeadAttention(nn.Module):
         if unexpected:
             _check_no_torch_arguments(unexpected)
         if cache is not None and key is None and value is None and mask is None and positions is None \
-                and not return_weights and _decoding.ENABLED and not torch.compiler.is_compiling():
-            out = self._decided_step(query, cache)  # a plain decode step (multihead.decoding), or None
+                and not return_weights and _decoding.ENABLED and not torch.compiler.is_dynamo_compiling():
+            step = self._decode_step  # a plain decode step: what an earlier one decided (multihead.decoding)
+            out = step(self, query, cache) if step is not None else None
+            out = self._decide_step(query, cache) if out is None else out
             if out is not None:
                 return out
         key, value, m, at, bound = self._edge(query, key, value, mask, cache, positions)
@@ -582,21 +584,18 @@ class MultiHeadAttention(nn.Module):
             at, bound = given, (0 if torch.compiler.is_compiling() else int(given.max()) + 1 if given.numel() else 1)
         return key, value, self._mask(mask, query, lk, causal=cache is None), at, bound
 
-    def _decided_step(self, query: torch.Tensor, cache: KVCache) -> Optional[torch.Tensor]:
-        """``mha(query, cache=cache)`` by the `multihead.decoding.DecodeStep` an earlier call
-        decided, if its guards hold; else by one decided now (the call checked as the edge checks
-        it, raising as it does), kept for the next steps; None: the general path runs it."""
-        step = self._decode_step
-        out = None if step is None else step(self, query, cache)
-        if out is None:
-            def check() -> None:
-                self._check_inputs(query, query, query)
-                self._check_cache(cache, query, query, query)
-            step = _decoding.DecodeStep.build(self, query, cache, check)
-            if step is not None:  # (else the last one stays, for the cache it was built for)
-                self._decode_step = step
-                out = step(self, query, cache)
-        return out
+    def _decide_step(self, query: torch.Tensor, cache: KVCache) -> Optional[torch.Tensor]:
+        """``mha(query, cache=cache)`` by a `multihead.decoding.DecodeStep` decided now (the call
+        checked as the edge checks it, raising as it does), kept for the next steps; None: the
+        general path runs it (and the last step decided stays, for the cache it was built for)."""
+        def check() -> None:
+            self._check_inputs(query, query, query)
+            self._check_cache(cache, query, query, query)
+        step = _decoding.DecodeStep.build(self, query, cache, check)
+        if step is None:
+            return None
+        self._decode_step = step
+        return step(self, query, cache)
 
     # ------------------------------------------------------------------ the core (trusted inputs)
     def _project(self, query, key, value, tr, plain: Optional[bool] = None) -> tuple:
@@ -613,7 +612,7 @@ class MultiHeadAttention(nn.Module):
         if stacked is not None:
             if tr is None:
                 return _decoding.project_stacked(query, stacked, heads, kv_heads)
-            qkv = F.linear(query, stacked[0], stacked[1])  # (B, 1, d_out + 2 kv_dim)
+            qkv = F.linear(query, stacked.weight, stacked.bias)  # (B, 1, d_out + 2 kv_dim)
             q, k, v = qkv.split_with_sizes((d_out, kv_dim, kv_dim), dim=-1)
         else:
             q_proj, k_proj, v_proj, _ = self.projections
