@@ -24,7 +24,7 @@ data-flow order, small methods of a trusted core (``_project``, ``_rotate``, ``_
 swapping only the attention step for the ring.
 
 Decoding fast lives in `multihead.decoding`: the q/k/v parameters are rows of one stacked
-[W_q; W_k; W_v] block (a one-row call projects with one product; `stacked_qkv`), and a plain
+[W_q; W_k; W_v] block (a one-row call projects with one product; ``stacked_qkv()``), and a plain
 decode step ``mha(x, cache=cache)`` runs what the first one decided (a
 `multihead.decoding.DecodeStep`, kept on the module) while its guards hold. The module gives it
 ``projections`` and ``stacked_qkv()``, and stacks the parameters again after conversions that
@@ -32,16 +32,18 @@ re-allocate them (``.to``, ``.half()``, ``to_empty``, ``copy.deepcopy``, unpickl
 trace's "project Q/K/V" steps check on the real values that the one product equals the
 separate ones.
 
+Why this file passes ~500 lines: it holds one concept, the layer, whose parts a reader expects
+together (the constructor and `from_config`, the edge's checks, the named steps, the trace of the
+projections, the converters' entry points), and about half of it is the docstrings of its public
+API. The decoding engine is `multihead.decoding`; nn.MultiheadAttention's habits answered at the
+edge are `multihead._torch_habits`.
+
 Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from dataclasses import fields
-from types import FrameType
 from operator import attrgetter
 from typing import Any, Literal, Mapping, Optional, Union, overload
 
@@ -49,7 +51,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.types import Device
-from torch.nn.modules import module as _nn_module
 
 from . import decoding as _decoding
 from . import functional as _functional
@@ -57,6 +58,7 @@ from . import masks as _masks
 from . import steps as _steps
 from . import trace as _trace
 from ._checks import check_module_inputs
+from ._torch_habits import check_no_torch_arguments, warn_if_inverted
 from ._numerics import default_scale
 from .integrations.torch_mha import load_torch_state_dict
 from .backends import BackendName
@@ -83,76 +85,6 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     if positions.dim() == 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
     return rope.rotate(x, cos, sin)
-
-
-#: what nn.MultiheadAttention.forward takes that MultiHeadAttention.forward does not: the multihead way
-_TORCH_HABITS = {
-    "attn_mask": "mask=masks.from_torch(attn_mask=attn_mask) (nn.MultiheadAttention's True = blocked, "
-                 "converted; multihead's mask= is True = may attend)",
-    "key_padding_mask": "mask=masks.from_torch(key_padding_mask=pad) (True = padding, converted), or "
-                        "mask=masks.key_padding(real) with True = a real token",
-    "is_causal": "causal=True when building the module, or mask=masks.causal()",
-    "need_weights": "return_weights=True (the weights per head, (B, H, Lq, Lk))",
-    "average_attn_weights": "return_weights=True, then weights.mean(dim=1)",
-}
-_warned_inverted_mask = False
-_checked_device_mask = False
-
-
-def _check_no_torch_arguments(extra: dict) -> None:
-    """TypeError for keyword arguments forward does not take, naming the multihead way for
-    nn.MultiheadAttention's (``attn_mask=`` ...) and the drop-in that takes them as they are."""
-    habits = [f"{name}= -> {_TORCH_HABITS[name]}" for name in extra if name in _TORCH_HABITS]
-    other = [name for name in extra if name not in _TORCH_HABITS]
-    parts = []
-    if habits:
-        parts.append("MultiHeadAttention.forward does not take nn.MultiheadAttention's arguments: "
-                     + "; ".join(habits) + ". Or keep torch's signature with multihead.nn.MultiheadAttention, "
-                     "the drop-in (multihead.nn.swap_in(model) replaces a model's nn.MultiheadAttention)")
-    if other:
-        parts.append(f"MultiHeadAttention.forward got unexpected keyword argument(s) {', '.join(other)}; "
-                     "it takes query, key, value, mask=, return_weights=, cache=, positions=")
-    raise TypeError("; ".join(parts))
-
-
-def _warn_if_inverted(mask: object, lq: int, lk: int) -> None:
-    """One warning per process for a bool mask (.., L, L) that hides every query's own key, the
-    mark of nn.MultiheadAttention's convention (True = blocked, e.g. ``ones(L, L).triu(1)``) passed
-    as multihead's (True = may attend). CPU masks are checked until it warns (O(L), no sync);
-    on another device only the first such mask of the process (reading it waits for the device)."""
-    global _warned_inverted_mask, _checked_device_mask
-    if _warned_inverted_mask or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
-            or mask.dim() < 2 or lq != lk or lq < 2 or mask.shape[-2:] != (lq, lk) \
-            or torch.compiler.is_compiling():
-        return
-    if mask.device.type == "meta":   # no values to read
-        return
-    if mask.device.type != "cpu":
-        if _checked_device_mask:
-            return
-        _checked_device_mask = True
-    if bool(mask.diagonal(dim1=-2, dim2=-1).any()):
-        return
-    _warned_inverted_mask = True
-    warnings.warn(
-        "mask hides every query's own key (its diagonal is all False): multihead's bool masks are True = may "
-        "attend, nn.MultiheadAttention's attn_mask is True = blocked. If this is torch's mask (e.g. "
-        "torch.ones(L, L).triu(1).bool()), convert it: mask=multihead.masks.from_torch(attn_mask=m), or use "
-        "mask=multihead.masks.causal() for a causal mask. Shown once per process.",
-        UserWarning, stacklevel=_caller_level(),
-    )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside multihead and torch.nn's module machinery
-    (hooks and ``nn.Module.__call__`` put a varying number of frames between the user and here)."""
-    here = os.path.dirname(__file__)
-    nn_dir = os.path.dirname(_nn_module.__file__)
-    frame: Optional[FrameType] = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith((here, nn_dir)):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class MultiHeadAttention(nn.Module):
@@ -469,8 +401,7 @@ class MultiHeadAttention(nn.Module):
         m = _masks.as_mask(mask)
         if m is not None:
             m.check((query.shape[0], self.config.num_heads, lq, lk), query.device, dtype=query.dtype)
-            if not _warned_inverted_mask:
-                _warn_if_inverted(mask, lq, lk)
+            warn_if_inverted(mask, lq, lk)
         # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
         if causal and self._causal_mask is not None and (m is not None or lq > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
@@ -544,7 +475,7 @@ class MultiHeadAttention(nn.Module):
         True = blocked ``triu(1)`` reads in multihead's convention) warns once per process.
         """
         if unexpected:
-            _check_no_torch_arguments(unexpected)
+            check_no_torch_arguments(unexpected)
         if cache is not None and key is None and value is None and mask is None and positions is None \
                 and not return_weights and _decoding.ENABLED and not torch.compiler.is_dynamo_compiling():
             step = self._decode_step  # a plain decode step: what an earlier one decided (multihead.decoding)
