@@ -66,7 +66,8 @@ validates and raises as always. ``ENABLED = False`` turns it off.
 
 **Hooks.** This module talks to the module and the cache through these only:
 ``mha.stacked_qkv()`` (the block, or None), ``mha.projections`` (the four projections, in the
-order q, k, v, out), ``mha.config``, ``mha.num_kv_heads``, ``mha.rope``, ``mha.training``;
+order q, k, v, out), ``mha.config``, ``mha.num_kv_heads``, ``mha.rope``, ``mha.training``, and
+the edge checks the module hands to `DecodeStep.build`;
 ``cache.settled``, ``cache.store``, ``cache.key``/``value``/``keep``/``length``/``max_len``. Of
 torch, it reads what decides whether a projection's call is exactly ``F.linear``
 (`plain`: nn.Module's global hook tables, an ``nn.Linear``'s own hooks and parameters).
@@ -95,6 +96,7 @@ __all__ = ["StackedQKV", "DecodeStep", "ENABLED", "plain", "linear", "block_for"
 
 #: False: every call takes the module's general path (for comparing, and for benchmarks)
 ENABLED = True
+
 
 class StackedQKV(NamedTuple):
     """The block [W_q; W_k; W_v] (and [b_q; b_k; b_v]) whose rows three ``nn.Linear`` parameters are.
