@@ -10,7 +10,7 @@ tokens step by step with the cache is at least 10x faster than recomputing the f
 attention over the whole prefix at every step.
 
 The module's q/k/v parameters are rows of one stacked block, which a one-row step projects
-with in one product (see `multihead.module`); "module, three products" is the same module with
+with in one product (see `multihead.decoding`); "module, three products" is the same module with
 its parameters re-bound to separate tensors (``p.data = p.data.clone()``: what FSDP or
 ``load_state_dict(assign=True)`` leave), which projects with three, as before the block existed.
 Prefill (a 256-token prompt into a fresh cache) and a training step (forward + backward) are
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead
-from multihead import decode_step as _decode_step
+from multihead import decoding
 
 from . import harness as h
 
@@ -80,7 +80,7 @@ def _three_products(m: multihead.MultiHeadAttention) -> multihead.MultiHeadAtten
     for lin in (twin.q_proj, twin.k_proj, twin.v_proj):
         for p in lin.parameters():
             p.data = p.data.clone()
-    if twin._packed_now() is not None:  # an invariant of the re-binding above
+    if twin.stacked_qkv() is not None:  # an invariant of the re-binding above
         raise RuntimeError("the copy still has its stacked block")
     return twin
 
@@ -141,11 +141,11 @@ def _step_candidates(d: int, heads: int, cached: int) -> tuple[dict, float]:
 
     def general_step():
         cache.length = cached
-        _decode_step.ENABLED = False
+        decoding.ENABLED = False
         try:
             return m(x, cache=cache)
         finally:
-            _decode_step.ENABLED = True
+            decoding.ENABLED = True
 
     cands = {"raw": lambda: raw(x), "module": module_step, "module, general path": general_step,
              "module, three products": three_step, "module, static cache": static_step}
@@ -181,8 +181,8 @@ def decode_step(budget: h.Budget) -> tuple[str, dict]:
         f"benchmarks/bench_decode.py (RawStep); the first size is issue 12's target ({rounds} interleaved "
         f"rounds of {run_s:.2f} s a candidate; times: the least of the rounds' medians; ratios: the median "
         f"over rounds of each round's ratio to the raw ops; outputs agree to {max(errs):.1e}). The module's "
-        "step is its `multihead.decode_step` (what the first step decided, under guards); \"general path\" is "
-        "the same module with `decode_step.ENABLED = False`, deciding everything at every step. The static "
+        "step is its `multihead.decoding.DecodeStep` (what the first step decided, under guards); \"general path\" is "
+        "the same module with `decoding.ENABLED = False`, deciding everything at every step. The static "
         "cache (max_len = 2 x cached, run eagerly) attends over all of max_len with a mask: the price of "
         "shapes that never change, which is what lets torch.compile keep one graph.\n\n"
         + h.md_table(["size", "torch threads", "raw ops ms", "module ms", "ratio", f"<= {STEP_TARGET}",

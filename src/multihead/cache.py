@@ -408,16 +408,39 @@ class KVCache:
         if self._fresh:
             self._allocate(k, v)
         n = k.shape[2]
-        keys, values = self._store(k, v)
+        keys, values = self.store(k, v)
         mask = None if self.keep is None else _masks.key_padding(self.keep[:, :self.length])
         if n > 1:  # a single new token sees every key: no causal mask needed
             mask = _CAUSAL if mask is None else _CAUSAL & mask
         return keys, values, mask
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v copied in after the cached tokens, into buffers known to fit them (what `_write`
-        checked and allocated; `multihead.decode_step` guards the same facts); returns the
-        filled part of the buffers, (B, Hkv, length, D) and (B, Hkv, length, Dv)."""
+    # ------------------------------------------------------------------ hooks for multihead.decoding
+    @property
+    def settled(self) -> bool:
+        """Whether the buffers hold the layout of the last write (allocated, and no `reset`
+        since, after which the next write may bring another batch, head count, dtype or device).
+
+            >>> cache = KVCache(max_len=4)
+            >>> cache.settled, cache.append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))[0].shape, cache.settled
+            (False, torch.Size([1, 2, 1, 8]), True)
+
+        A hook for `multihead.decoding`, which writes with `store` while the buffers it checked
+        once (``key``, ``value``: the same tensors) stay settled."""
+        return not self._fresh and self.key is not None
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (B, Hkv, n, D), v (B, Hkv, n, Dv) copied in after the cached tokens, without checks;
+        returns the filled part of the buffers, (B, Hkv, length, D) and (B, Hkv, length, Dv).
+
+            >>> cache = KVCache(max_len=4)
+            >>> _ = cache.append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))  # checks, allocates
+            >>> [t.shape[2] for t in cache.store(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))]
+            [2, 2]
+
+        The trusted write under `append` and the module's cached step, and a hook for
+        `multihead.decoding`: the caller has made sure the buffers fit (``settled``, the same
+        layout, dtype and device, ``length + n <= max_len``, no padding to extend). Use `append`
+        otherwise: it checks all of that and raises naming the fix."""
         start, n = self.length, k.shape[2]
         end = start + n
         key, value = self.key, self.value

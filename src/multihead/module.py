@@ -18,55 +18,32 @@ parameters are the single source of truth, so a weight changed in any way (in pl
 ``.data`` or a numpy view, by an optimiser, a parametrization or an adapter) is the weight the
 next call uses, and nothing derived from the weights is kept between calls.
 
-A decode step of self-attention (one token: a single row, B * Lq = 1) projects with ONE
-product, ``x [W_q; W_k; W_v]ᵀ + [b_q; b_k; b_v]``, split into Q, K, V (views). There the three
-products are matrix-vector products, memory-bound, and one pass over the stacked matrix is what
-the step pays least for (the three take 1.2x its time at d=512, one thread); with more rows the
-products are compute-bound and one stacked product is no faster (at 2-4 rows MKL's choice makes
-it slower), so prefill and training keep the three products they always had.
+``forward`` is the public edge (defaults, input, cache and mask checks), then the named steps in
+data-flow order, small methods of a trusted core (``_project``, ``_rotate``, ``_write_cache``,
+``_attend``, ``_merge_output``), which `multihead.distributed.ContextParallel` calls too,
+swapping only the attention step for the ring.
 
-The stacked matrix is not a copy kept beside the weights. When ``kdim == vdim == d_in``,
-``__init__`` allocates the q/k/v weights (and biases) as adjacent rows of one storage:
-``q_proj.weight`` etc. stay ordinary ``nn.Parameter`` objects (names, ``state_dict`` keys,
-optimisers, parametrizations, hooks unchanged), views of one (d_out + 2 kv_dim, d_in) block that
-IS [W_q; W_k; W_v], whatever is written into the parameters (in place, ``.data`` writes, numpy
-views, optimiser steps, ``load_state_dict``). Each one-row call checks, without copying, that the
-parameters are still set to their rows (``Tensor.is_set_to``: same storage, offset, shape,
-strides); if anything re-bound one (``p.data = t``, ``load_state_dict(assign=True)``, FSDP's flat
-parameters, ...) the block is released and the call makes the three products. Conversions
-that re-allocate the parameters (``.to``, ``.half()``, ``to_empty``, ``copy.deepcopy``,
-unpickling) stack them again (``_apply``, ``__setstate__``).
+Decoding fast lives in `multihead.decoding`: the q/k/v parameters are rows of one stacked
+[W_q; W_k; W_v] block (a one-row call projects with one product; ``stacked_qkv()``), and a plain
+decode step ``mha(x, cache=cache)`` runs what the first one decided (a
+`multihead.decoding.DecodeStep`, kept on the module) while its guards hold. The module gives it
+``projections`` and ``stacked_qkv()``, and stacks the parameters again after conversions that
+re-allocate them (``.to``, ``.half()``, ``to_empty``, ``copy.deepcopy``, unpickling). The
+trace's "project Q/K/V" steps check on the real values that the one product equals the
+separate ones.
 
-The block is used only where nothing can go stale or differ: eager calls (not torch.compile,
-where dynamo cannot check storage, nor a JIT trace) in which no gradient can reach the weights
-(``no_grad``, ``inference_mode``, or nothing requires grad), with plain ``nn.Linear``
-projections and no module hooks (their own or global). Otherwise, for a replaced projection (an
-adapter), a parametrized one (weight_norm, LoRA through ``parametrize``), or hooks, each
-projection is its own call (``self.q_proj(query)``, ...) and every hook fires as before.
-``state_dict()`` holds the three weights as views of one storage: ``torch.save`` writes it once,
-and ``safetensors`` accepts them (they do not overlap). The trace's "project Q/K/V" steps check
-on the real values that the one product equals the separate ones.
-
-``forward`` is the public edge (defaults, input, cache and mask checks); the steps after it are
-small methods of a trusted core, in data-flow order (``_project``, ``_rotate``,
-``_write_cache``, ``_attend``, ``_merge_output``), which `multihead.distributed.ContextParallel`
-calls too, swapping only the attention step for the ring.
-
-A plain decode step ``mha(x, cache=cache)`` decides all of that once: the first one builds a
-`multihead.decode_step.DecodeStep` (kept on the module), and each next step whose guards hold
-runs the core steps directly, from ``__call__`` (nn.Module's dispatch is 9% of such a step; the
-guards include this module's hooks) or from ``forward``; see `multihead.decode_step`.
+Why this file passes ~500 lines: it holds one concept, the layer, whose parts a reader expects
+together (the constructor and `from_config`, the edge's checks, the named steps, the trace of the
+projections, the converters' entry points), and about half of it is the docstrings of its public
+API. The decoding engine is `multihead.decoding`; nn.MultiheadAttention's habits answered at the
+edge are `multihead._torch_habits`.
 
 Legend: B batch, L/Lq/Lk lengths, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from dataclasses import fields
-from types import FrameType
 from operator import attrgetter
 from typing import Any, Literal, Mapping, Optional, Union, overload
 
@@ -74,14 +51,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.types import Device
-from torch.nn.modules import module as _nn_module
 
-from . import decode_step as _decode_step
+from . import decoding as _decoding
 from . import functional as _functional
 from . import masks as _masks
 from . import steps as _steps
 from . import trace as _trace
 from ._checks import check_module_inputs
+from ._torch_habits import check_no_torch_arguments, warn_if_inverted
 from ._numerics import default_scale
 from .integrations.torch_mha import load_torch_state_dict
 from .backends import BackendName
@@ -108,99 +85,6 @@ def _rotate_at(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, bound: int)
     if positions.dim() == 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D): broadcast over the heads
     return rope.rotate(x, cos, sin)
-
-
-def _linear(lin: nn.Module, x: torch.Tensor, plain: bool) -> torch.Tensor:
-    """``lin(x)``, the projection's own call. For a projection whose call is plain (see
-    `MultiHeadAttention._plain`) that is ``F.linear(x, lin.weight, lin.bias)``, called directly: the same op
-    on the same current weights, without nn.Module's per-call dispatch. Anything else is called
-    as a module."""
-    if plain:
-        ps = lin._parameters  # what lin.weight, lin.bias read, without nn.Module.__getattr__ (~1 us each)
-        w = ps.get("weight")
-        if w is not None and "bias" in ps:
-            return F.linear(x, w, ps["bias"])
-    return lin(x)
-
-
-def _grad_may_reach(query: torch.Tensor, *lins: nn.Module) -> bool:
-    """Whether autograd would record a product of ``query`` with these projections' parameters."""
-    return query.requires_grad or any(p.requires_grad for lin in lins for p in lin._parameters.values() if p is not None)
-
-
-#: what nn.MultiheadAttention.forward takes that MultiHeadAttention.forward does not: the multihead way
-_TORCH_HABITS = {
-    "attn_mask": "mask=masks.from_torch(attn_mask=attn_mask) (nn.MultiheadAttention's True = blocked, "
-                 "converted; multihead's mask= is True = may attend)",
-    "key_padding_mask": "mask=masks.from_torch(key_padding_mask=pad) (True = padding, converted), or "
-                        "mask=masks.key_padding(real) with True = a real token",
-    "is_causal": "causal=True when building the module, or mask=masks.causal()",
-    "need_weights": "return_weights=True (the weights per head, (B, H, Lq, Lk))",
-    "average_attn_weights": "return_weights=True, then weights.mean(dim=1)",
-}
-_warned_inverted_mask = False
-_checked_device_mask = False
-
-
-def _check_no_torch_arguments(extra: dict) -> None:
-    """TypeError for keyword arguments forward does not take, naming the multihead way for
-    nn.MultiheadAttention's (``attn_mask=`` ...) and the drop-in that takes them as they are."""
-    habits = [f"{name}= -> {_TORCH_HABITS[name]}" for name in extra if name in _TORCH_HABITS]
-    other = [name for name in extra if name not in _TORCH_HABITS]
-    parts = []
-    if habits:
-        parts.append("MultiHeadAttention.forward does not take nn.MultiheadAttention's arguments: "
-                     + "; ".join(habits) + ". Or keep torch's signature with multihead.nn.MultiheadAttention, "
-                     "the drop-in (multihead.nn.swap_in(model) replaces a model's nn.MultiheadAttention)")
-    if other:
-        parts.append(f"MultiHeadAttention.forward got unexpected keyword argument(s) {', '.join(other)}; "
-                     "it takes query, key, value, mask=, return_weights=, cache=, positions=")
-    raise TypeError("; ".join(parts))
-
-
-def _warn_if_inverted(mask: object, lq: int, lk: int) -> None:
-    """One warning per process for a bool mask (.., L, L) that hides every query's own key, the
-    mark of nn.MultiheadAttention's convention (True = blocked, e.g. ``ones(L, L).triu(1)``) passed
-    as multihead's (True = may attend). CPU masks are checked until it warns (O(L), no sync);
-    on another device only the first such mask of the process (reading it waits for the device)."""
-    global _warned_inverted_mask, _checked_device_mask
-    if _warned_inverted_mask or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
-            or mask.dim() < 2 or lq != lk or lq < 2 or mask.shape[-2:] != (lq, lk) \
-            or torch.compiler.is_compiling():
-        return
-    if mask.device.type == "meta":   # no values to read
-        return
-    if mask.device.type != "cpu":
-        if _checked_device_mask:
-            return
-        _checked_device_mask = True
-    if bool(mask.diagonal(dim1=-2, dim2=-1).any()):
-        return
-    _warned_inverted_mask = True
-    warnings.warn(
-        "mask hides every query's own key (its diagonal is all False): multihead's bool masks are True = may "
-        "attend, nn.MultiheadAttention's attn_mask is True = blocked. If this is torch's mask (e.g. "
-        "torch.ones(L, L).triu(1).bool()), convert it: mask=multihead.masks.from_torch(attn_mask=m), or use "
-        "mask=multihead.masks.causal() for a causal mask. Shown once per process.",
-        UserWarning, stacklevel=_caller_level(),
-    )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside multihead and torch.nn's module machinery
-    (hooks and ``nn.Module.__call__`` put a varying number of frames between the user and here)."""
-    here = os.path.dirname(__file__)
-    nn_dir = os.path.dirname(_nn_module.__file__)
-    frame: Optional[FrameType] = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith((here, nn_dir)):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-#: the stacked block of a module whose q/k/v parameters are its rows: (weight, bias or None,
-#: the six row views (q, k, v weights, then biases) the parameters must still be set to)
-_Packed = tuple[torch.Tensor, Optional[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class MultiHeadAttention(nn.Module):
@@ -299,9 +183,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(_resolved(cfg.kdim), cfg.kv_dim, bias=cfg.bias, **factory)
         self.v_proj = nn.Linear(_resolved(cfg.vdim), cfg.kv_dim, bias=cfg.bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
-        self._packed: Optional[_Packed] = None
-        self._decode_step: Optional[_decode_step.DecodeStep] = None
-        self._pack_qkv()
+        self._stacked: Optional[_decoding.StackedQKV] = None  # the q/k/v parameters' block (multihead.decoding)
+        self._decode_step: Optional[_decoding.DecodeStep] = None  # what a plain decode step decided
+        self._stack_qkv()
         self._causal_mask = _masks.causal() if cfg.causal else None
         # static for the module's life (the config is frozen): read per call, not re-derived
         self._scale = default_scale(cfg.head_dim)
@@ -360,110 +244,56 @@ class MultiHeadAttention(nn.Module):
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             lin.reset_parameters()  # in place: the q/k/v parameters stay rows of their block
 
-    # ------------------------------------------------------------------ the stacked [W_q; W_k; W_v] block
-    def _pack_qkv(self) -> None:
-        """Make the q/k/v weights (and biases) adjacent rows of one block, keeping their values
-        and their Parameter objects (``p.data = row view``); a no-op when they already are, or
-        when they cannot be one block (kdim or vdim != d_in, a replaced or parametrized
-        projection, mixed dtypes or devices, a missing bias)."""
-        if self._packed_now() is not None:
-            return
-        self._packed = None
-        cfg = self.config
-        lins = (self.q_proj, self.k_proj, self.v_proj)
-        if cfg.kdim != cfg.d_in or cfg.vdim != cfg.d_in or not all(type(lin) is nn.Linear for lin in lins):
-            return
-        params = [lin._parameters.get("weight") for lin in lins] + [lin._parameters.get("bias") for lin in lins]
-        present = [p for p in params if p is not None]
-        if len(present) not in (3, 6) or any(p is None for p in params[:3]):
-            return
-        if len({(p.dtype, p.device) for p in present}) != 1:
-            return
-        rows = [lin.out_features for lin in lins]
-        with torch.no_grad():
-            weight = torch.cat([p.detach() for p in present[:3]])
-            bias = torch.cat([p.detach() for p in present[3:]]) if len(present) == 6 else None
-        views = weight.split(rows) + (bias.split(rows) if bias is not None else ())
-        for p, view in zip(present, views):
-            p.data = view
-        self._packed = (weight, bias, views)
-
-    def _packed_now(self) -> Optional[_Packed]:
-        """The block, if every q/k/v parameter is still set to its row of it (same storage,
-        offset, shape and strides), else None. Anything that re-bound a parameter (``p.data =``,
-        a conversion, ``load_state_dict(assign=True)``) makes this None."""
-        packed = self._packed
-        if packed is None or packed[0].is_meta:  # meta tensors cannot say where they are (and compute nothing)
-            return None
-        views = packed[2]
+    # ------------------------------------------------------------------ hooks of multihead.decoding
+    @property
+    def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """The four projections, ``(q_proj, k_proj, v_proj, out_proj)``."""
         mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
-        q_ps, k_ps, v_ps = mods["q_proj"]._parameters, mods["k_proj"]._parameters, mods["v_proj"]._parameters
-        # unrolled: one decode step of the module asks this (six is_set_to, ~0.5 us each, are its cost)
-        wq, wk, wv = q_ps.get("weight"), k_ps.get("weight"), v_ps.get("weight")
-        if wq is None or wk is None or wv is None \
-                or not (wq.is_set_to(views[0]) and wk.is_set_to(views[1]) and wv.is_set_to(views[2])):
+        return mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["out_proj"]
+
+    def stacked_qkv(self) -> Optional[_decoding.StackedQKV]:
+        """(weight [W_q; W_k; W_v] (d_out + 2 kv_dim, d_in), bias [b_q; b_k; b_v] or None, rows):
+        the block the q/k/v parameters are rows of, or None when they are not (cross-attention
+        sizes, a replaced projection, or a parameter re-bound since: the old block is released).
+
+            >>> mha = MultiHeadAttention(16, 4, num_kv_heads=2)
+            >>> mha.stacked_qkv().weight.shape             # 16 + 2 * 8 rows
+            torch.Size([32, 16])
+
+        See `multihead.decoding` (the block is what a one-row call projects with)."""
+        stacked = self._stacked
+        if stacked is None:
             return None
-        bq, bk, bv = q_ps.get("bias"), k_ps.get("bias"), v_ps.get("bias")
-        if packed[1] is None:
-            return packed if bq is None and bk is None and bv is None else None
-        if bq is None or bk is None or bv is None \
-                or not (bq.is_set_to(views[3]) and bk.is_set_to(views[4]) and bv.is_set_to(views[5])):
+        q, k, v, _ = self.projections
+        if not stacked.holds(q, k, v):
+            self._stacked = None  # a parameter was re-bound: release the old block's memory
             return None
-        return packed
+        return stacked
+
+    def _stack_qkv(self) -> None:
+        """Make the q/k/v parameters rows of one block, keeping their values (a no-op when they are)."""
+        if self.stacked_qkv() is None:
+            self._stacked = _decoding.StackedQKV.stack(*self.projections[:3])
 
     def _apply(self, fn, recurse: bool = True):
         # .to(), .half(), .cuda(), to_empty, ... re-allocate the parameters: stack them again
         out = super()._apply(fn, recurse)
         self._decode_step = None
-        self._pack_qkv()
+        self._stack_qkv()
         return out
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_packed"] = None  # copy.deepcopy and pickle copy the parameters one by one ...
+        state["_stacked"] = None  # copy.deepcopy and pickle copy the parameters one by one ...
         state["_decode_step"] = None  # (it refers to a cache by weak reference, which cannot be copied)
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.pop("_packed", None)  # a module pickled by multihead 0.2
         super().__setstate__(state)
         self.__dict__.setdefault("_decode_step", None)  # a module pickled before decode steps existed
-        self._pack_qkv()  # ... so their copies are stacked again
-
-    def _stacked_qkv(self, query: torch.Tensor, plain: Optional[bool] = None) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """([W_q; W_k; W_v], [b_q; b_k; b_v] or None), the block the q/k/v parameters are rows
-        of, for a one-row self-attention call that may use it (see the module docstring; ``plain``:
-        the projections' calls are plain, `_plain`); else None: three products."""
-        # torch.compile first: dynamo folds it to True, and never reads the block
-        if torch.compiler.is_compiling() or self._packed is None or query.numel() != query.shape[-1]:
-            return None
-        if not (self._plain() if plain is None else plain):
-            return None
-        if torch.is_grad_enabled():
-            mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
-            if _grad_may_reach(query, mods["q_proj"], mods["k_proj"], mods["v_proj"]):
-                return None
-        packed = self._packed_now()
-        if packed is None:
-            self._packed = None  # a parameter was re-bound: release the old block's memory
-            return None
-        return packed[0], packed[1]
-
-    def _plain(self) -> bool:
-        """Whether calling each of the four projections is exactly ``F.linear(x, lin.weight,
-        lin.bias)``: a plain ``nn.Linear`` (a parametrized or wrapped one is another class), with
-        no hooks of its own or global ones (``register_module_forward_hook``, ...), no forward
-        replaced on the instance, and no JIT trace recording. Asked once per forward."""
-        if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks
-                or torch._C._get_tracing_state()):
-            return False
-        mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            lin = mods[name]
-            if (type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks
-                    or lin._backward_pre_hooks or "forward" in lin.__dict__):
-                return False
-        return True
+        self._stacked = None
+        self._stack_qkv()  # ... so their copies are stacked again
 
     @property
     def batch_first(self) -> bool:
@@ -571,34 +401,11 @@ class MultiHeadAttention(nn.Module):
         m = _masks.as_mask(mask)
         if m is not None:
             m.check((query.shape[0], self.config.num_heads, lq, lk), query.device, dtype=query.dtype)
-            if not _warned_inverted_mask:
-                _warn_if_inverted(mask, lq, lk)
+            warn_if_inverted(mask, lq, lk)
         # bottom-right causal lets a single query see every key: no mask is needed (decode steps)
         if causal and self._causal_mask is not None and (m is not None or lq > 1):
             m = self._causal_mask if m is None else self._causal_mask & m
         return m
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``nn.Module.__call__`` (hooks, ``Module.compile``, tracing, then `forward`), except for a
-        plain decode step ``mha(x, cache=cache)`` of a module that has a `multihead.decode_step`
-        step whose guards hold (they include: no hooks on this module, its projections or
-        globally, not compiled, not traced, ``forward`` not replaced): that step runs directly,
-        as ``forward`` would run it, without nn.Module's dispatch (9% of a decode step at d=512)."""
-        # dynamo first: it folds is_dynamo_compiling() to True, and then reads (and guards on) none of
-        # the rest; torch.export's non-strict tracing passes fake tensors, which the step refuses
-        if not torch.compiler.is_dynamo_compiling() and len(args) == 1 and len(kwargs) == 1:
-            step = self._decode_step
-            cache = kwargs.get("cache")
-            # what nn.Module.__call__ would do besides forward: this module's own hooks (the global
-            # ones and the projections' are the step's guards), Module.compile, a replaced forward
-            if step is not None and cache is not None and _decode_step.ENABLED and type(self) is MultiHeadAttention \
-                    and self._compiled_call_impl is None and not (self._forward_hooks or self._forward_pre_hooks
-                                                               or self._backward_hooks or self._backward_pre_hooks) \
-                    and "forward" not in self.__dict__:
-                out = step(self, args[0], cache)
-                if out is not None:
-                    return out
-        return nn.Module.__call__(self, *args, **kwargs)
 
     @overload
     def forward(
@@ -668,23 +475,35 @@ class MultiHeadAttention(nn.Module):
         True = blocked ``triu(1)`` reads in multihead's convention) warns once per process.
         """
         if unexpected:
-            _check_no_torch_arguments(unexpected)
-        if cache is not None and not torch.compiler.is_compiling() and key is None and value is None \
-                and mask is None and positions is None and not return_weights and _decode_step.ENABLED:
-            # a plain decode step: what the first one decided, if its guards still hold (decode_step.py)
-            step = self._decode_step
-            out = None if step is None else step(self, query, cache)
-            if out is None:
-                step = _decode_step.DecodeStep.build(self, query, cache)
-                if step is not None:  # (else the last one stays, for the cache it was built for)
-                    self._decode_step = step
-                    out = step(self, query, cache)
+            check_no_torch_arguments(unexpected)
+        if cache is not None and key is None and value is None and mask is None and positions is None \
+                and not return_weights and _decoding.ENABLED and not torch.compiler.is_dynamo_compiling():
+            step = self._decode_step  # a plain decode step: what an earlier one decided (multihead.decoding)
+            out = step(self, query, cache) if step is not None else None
+            out = self._decide_step(query, cache) if out is None else out
             if out is not None:
                 return out
+        key, value, m, at, bound = self._edge(query, key, value, mask, cache, positions)
+        tr = _trace.current()
+        if tr is not None:
+            tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
+            tr.record(_steps.INPUT, query, module=self)
+        plain = _decoding.plain(self.projections)
+        q, k, v = self._project(query, key, value, tr, plain)          # x W_Q, x W_K, x W_V; split heads
+        if self.rope is not None:
+            q, k = self._rotate(q, k, at, tr, bound=bound)             # rotary position embedding
+        if cache is not None:
+            k, v, m = self._write_cache(cache, k, v, m, tr)            # append to the cache
+        o, weights = self._attend(q, k, v, m, return_weights, tr)      # softmax(q kᵀ * scale + mask) v
+        out = self._merge_output(o, tr, plain)                         # merge heads; W_O
+        return (out, weights) if return_weights else out
+
+    def _edge(self, query, key, value, mask, cache, positions) -> tuple:
+        """forward's checks and defaults: (key, value, the checked mask, the RoPE positions (an
+        int offset or a tensor), their bound or None)."""
         key, value = self._defaults(query, key, value)
         self._check_inputs(query, key, value)
-        shape = query.shape
-        batch, lq = shape[0], shape[1]
+        batch, lq = query.shape[0], query.shape[1]
         given = None if positions is None else self._check_positions(positions, batch, lq, query.device)
         at: Union[int, torch.Tensor] = 0
         lk, bound = key.shape[1], None
@@ -694,20 +513,20 @@ class MultiHeadAttention(nn.Module):
         if given is not None:  # any (Lq,) or (B, Lq) ints, looked up below their own bound (compiled:
             # no bound is read on the host, `_rotate_at` takes the angles of the positions themselves)
             at, bound = given, (0 if torch.compiler.is_compiling() else int(given.max()) + 1 if given.numel() else 1)
-        m = self._mask(mask, query, lk, causal=cache is None)
-        tr = _trace.current()
-        if tr is not None:
-            tr.set_config(**self.config.to_dict(), head_dim=self.config.head_dim)
-            tr.record(_steps.INPUT, query, module=self)
-        plain = self._plain()
-        q, k, v = self._project(query, key, value, tr, plain)
-        if self.rope is not None:
-            q, k = self._rotate(q, k, at, tr, bound=bound)
-        if cache is not None:
-            k, v, m = self._write_cache(cache, k, v, m, tr)
-        o, weights = self._attend(q, k, v, m, return_weights, tr)
-        out = self._merge_output(o, tr, plain)
-        return (out, weights) if return_weights else out
+        return key, value, self._mask(mask, query, lk, causal=cache is None), at, bound
+
+    def _decide_step(self, query: torch.Tensor, cache: KVCache) -> Optional[torch.Tensor]:
+        """``mha(query, cache=cache)`` by a `multihead.decoding.DecodeStep` decided now (the call
+        checked as the edge checks it, raising as it does), kept for the next steps; None: the
+        general path runs it (and the last step decided stays, for the cache it was built for)."""
+        def check() -> None:
+            self._check_inputs(query, query, query)
+            self._check_cache(cache, query, query, query)
+        step = _decoding.DecodeStep.build(self, query, cache, check)
+        if step is None:
+            return None
+        self._decode_step = step
+        return step(self, query, cache)
 
     # ------------------------------------------------------------------ the core (trusted inputs)
     def _project(self, query, key, value, tr, plain: Optional[bool] = None) -> tuple:
@@ -719,27 +538,20 @@ class MultiHeadAttention(nn.Module):
         """
         heads, kv_heads, d_out, kv_dim = self._sizes
         if plain is None:
-            plain = self._plain()
-        stacked = self._stacked_qkv(query, plain) if key is query and value is query else None
+            plain = _decoding.plain(self.projections)
+        stacked = _decoding.block_for(self, query, plain) if key is query and value is query else None
         if stacked is not None:
             if tr is None:
-                return self._project_stacked(query, stacked[0], stacked[1])
-            qkv = F.linear(query, stacked[0], stacked[1])  # (B, 1, d_out + 2 kv_dim)
+                return _decoding.project_stacked(query, stacked, heads, kv_heads)
+            qkv = F.linear(query, stacked.weight, stacked.bias)  # (B, 1, d_out + 2 kv_dim)
             q, k, v = qkv.split_with_sizes((d_out, kv_dim, kv_dim), dim=-1)
         else:
-            mods: dict[str, nn.Module] = self._modules  # type: ignore[assignment]  # (no typing.cast call per step)
-            q, k, v = (_linear(mods["q_proj"], query, plain), _linear(mods["k_proj"], key, plain),
-                       _linear(mods["v_proj"], value, plain))
+            q_proj, k_proj, v_proj, _ = self.projections
+            q, k, v = (_decoding.linear(q_proj, query, plain), _decoding.linear(k_proj, key, plain),
+                       _decoding.linear(v_proj, value, plain))
         if tr is not None:
             self._record_projections(tr, (q, k, v), (query, key, value), stacked is not None)
         return _split_heads(q, heads, tr, "Q"), _split_heads(k, kv_heads, tr, "K"), _split_heads(v, kv_heads, tr, "V")
-
-    def _project_stacked(self, query, weight, bias) -> tuple:
-        """Q, K, V (views) of the one product with the stacked block ``weight`` (d_out + 2 kv_dim,
-        d_in), untraced: the heads of all three at once, one view of all H + 2 Hkv heads, then split."""
-        heads, kv_heads = self._sizes[0], self._sizes[1]
-        qkv = F.linear(query, weight, bias)  # (B, 1, d_out + 2 kv_dim)
-        return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
 
     def _record_projections(self, tr, outs: tuple, inputs: tuple, one_product: bool = False) -> None:
         """Trace the three projections, with the seeds' claim checked on the real values: when
@@ -829,9 +641,8 @@ class MultiHeadAttention(nn.Module):
     def _merge_output(self, o, tr, plain: Optional[bool] = None) -> torch.Tensor:
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
         if plain is None:
-            plain = self._plain()
-        out_proj: nn.Module = self._modules["out_proj"]  # type: ignore[assignment]
-        out = _linear(out_proj, _merge_heads(o, tr), plain)
+            plain = _decoding.plain(self.projections)
+        out = _decoding.linear(self.projections[3], _merge_heads(o, tr), plain)
         if tr is not None:
             tr.record(_steps.OUTPUT_PROJECTION, out, params={
                 "f_in": o.shape[1] * o.shape[3], "bias": getattr(self.out_proj, "bias", None) is not None})

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 import multihead as mh
+from multihead import decoding
 from oracle import judge, one_thread
 from ref64 import attention64
 
@@ -47,7 +48,7 @@ def unstacked(m: mh.MultiHeadAttention) -> mh.MultiHeadAttention:
     for name in ("q_proj", "k_proj", "v_proj"):
         for p in getattr(twin, name).parameters():
             p.data = p.data.clone()
-    assert twin._packed_now() is None
+    assert twin.stacked_qkv() is None
     return twin
 
 
@@ -89,7 +90,7 @@ def data(B: int = 1, L: int = 4, seed: int = 1, dtype=torch.float64) -> tuple:
 # ------------------------------------------------------------------------------ the layout
 def test_qkv_parameters_are_rows_of_one_block_and_keep_their_names():
     m = build()
-    block, bias, _ = m._packed_now()
+    block, bias, _ = m.stacked_qkv()
     assert torch.equal(block, torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]))
     assert torch.equal(bias, torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias]))
     assert m.k_proj.weight.data_ptr() == block.data_ptr() + D * D * block.element_size()
@@ -111,7 +112,7 @@ def test_init_values_are_those_of_separate_linears():
 def test_other_layouts(kw):
     """Cross-attention sizes have no block; GQA and bias-free modules have one."""
     m = build(**kw)
-    assert (m._packed_now() is None) == ("kdim" in kw)
+    assert (m.stacked_qkv() is None) == ("kdim" in kw)
 
 
 # ------------------------------------------------------------------------------ values
@@ -129,12 +130,12 @@ def test_decode_step_with_and_without_the_block_equals_the_steps_by_hand(mode, B
 def test_the_one_row_step_uses_the_block_and_other_calls_do_not():
     m, x = build(), torch.randn(1, 1, D, dtype=torch.float64)
     with torch.no_grad():
-        assert m._stacked_qkv(x)[0].data_ptr() == m.q_proj.weight.data_ptr()
-        assert m._stacked_qkv(torch.randn(1, 2, D, dtype=torch.float64)) is None  # prefill: three products
-        assert m._stacked_qkv(torch.randn(2, 1, D, dtype=torch.float64)) is None
-    assert m._stacked_qkv(x) is None  # autograd would record the weights
+        assert decoding.block_for(m, x)[0].data_ptr() == m.q_proj.weight.data_ptr()
+        assert decoding.block_for(m, torch.randn(1, 2, D, dtype=torch.float64)) is None  # prefill: three products
+        assert decoding.block_for(m, torch.randn(2, 1, D, dtype=torch.float64)) is None
+    assert decoding.block_for(m, x) is None  # autograd would record the weights
     m.requires_grad_(False)
-    assert m._stacked_qkv(x) is not None  # nothing requires grad
+    assert decoding.block_for(m, x) is not None  # nothing requires grad
 
 
 def test_grads_equal_those_of_separate_parameters():
@@ -191,9 +192,9 @@ def test_weight_changes_between_steps_are_seen(change, mode):
     assert (got - want).abs().max() < 1e-12
     rebound = change in ("data=", "load_state_dict(assign=True)", "transposed_in_place_view")
     if rebound:  # a re-bound parameter: the block is released, not kept alive
-        assert m._packed is None
+        assert m._stacked is None
     else:
-        assert m._packed_now() is not None
+        assert m.stacked_qkv() is not None
 
 
 def test_weight_changes_between_compiled_steps_are_seen():
@@ -238,8 +239,8 @@ def test_checkpoints_load_both_ways():
     t = nn.MultiheadAttention(D, H, batch_first=True, dtype=torch.float64)
     ours = build(seed=9)
     ours.load_state_dict(t.state_dict())
-    assert ours._packed_now() is not None
-    assert torch.equal(ours._packed_now()[0], t.in_proj_weight)
+    assert ours.stacked_qkv() is not None
+    assert torch.equal(ours.stacked_qkv()[0], t.in_proj_weight)
     with torch.no_grad():
         seq = torch.cat([prompt, x], 1)
         want = t(seq, seq, seq, attn_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
@@ -286,7 +287,7 @@ def test_conversions_stack_the_parameters_again(conversion):
     m = build()
     prompt, x = data()
     out = CONVERSIONS[conversion](m)
-    assert out._packed_now() is not None
+    assert out.stacked_qkv() is not None
     assert out.q_proj.weight.data_ptr() != m.q_proj.weight.data_ptr() or conversion == "float_then_double"
     assert (decode(out, prompt, x) - step_by_hand(m, prompt, x)).abs().max() < 1e-12
 
@@ -294,7 +295,7 @@ def test_conversions_stack_the_parameters_again(conversion):
 def test_reset_parameters_keeps_the_block():
     m = build()
     m.reset_parameters()
-    assert m._packed_now() is not None and m.q_proj.weight.abs().max() <= 1 / D ** 0.5
+    assert m.stacked_qkv() is not None and m.q_proj.weight.abs().max() <= 1 / D ** 0.5
 
 
 # ------------------------------------------------------------------------------ projections as their own calls
@@ -318,6 +319,6 @@ def test_a_parametrized_projection_is_evaluated_in_the_step():
     prompt, x = data()
     parametrize.register_parametrization(m.q_proj, "weight", _Scale())
     with torch.no_grad():
-        assert m._stacked_qkv(x) is None
+        assert decoding.block_for(m, x) is None
     got = decode(m, prompt, x)
     assert (got - step_by_hand(m, prompt, x)).abs().max() < 1e-12  # step_by_hand reads the doubled weight

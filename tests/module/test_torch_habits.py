@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import multihead
-import multihead.module
+import multihead._torch_habits
 from multihead import masks
 from oracle import one_thread
 
@@ -38,8 +38,8 @@ def modules():
 @pytest.fixture
 def fresh_warning(monkeypatch):
     """The inverted-mask warning is once per process: each test starts before it."""
-    monkeypatch.setattr(multihead.module, "_warned_inverted_mask", False)
-    monkeypatch.setattr(multihead.module, "_checked_device_mask", False)
+    monkeypatch.setattr(multihead._torch_habits, "_warned_inverted_mask", False)
+    monkeypatch.setattr(multihead._torch_habits, "_checked_device_mask", False)
 
 
 @pytest.mark.parametrize("name, value, fix", [
@@ -107,7 +107,7 @@ def test_masks_that_see_their_own_key_do_not_warn(mask, fresh_warning):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ours(x, mask=mask)
-    assert not multihead.module._warned_inverted_mask
+    assert not multihead._torch_habits._warned_inverted_mask
 
 
 def test_cross_attention_masks_are_not_judged(fresh_warning):

@@ -60,7 +60,7 @@ class Backend:
     #: a quick sufficient test, for a call without mask, dropout, weights or lse (a decode step),
     #: that this backend neither refuses it nor would decline it for ``"auto"``; when it says True
     #: for the first backend of `AUTO_ORDER`, auto takes that one without asking for reasons.
-    #: It must hold for every call that differs only by having fewer keys (`multihead.decode_step`
+    #: It must hold for every call that differs only by having fewer keys (`multihead.decoding`
     #: asks it once for a cache's longest step). None: auto always asks ``refuses`` and ``auto_declines``
     takes_plain: Optional[Callable[[Call], bool]] = None
 
