@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     # 0: the convention and the numerics, importing nothing of multihead but each other
     "multihead.masks": 0, "multihead._numerics": 0, "multihead._checks": 0, "multihead._progress": 0,
     # 1: the pieces a forward pass is made of
-    "multihead.heads": 1, "multihead.rope": 1, "multihead.cache": 1, "multihead.ragged": 1,
+    "multihead.heads": 1, "multihead.rope": 1, "multihead.cache": 1, "multihead.ragged": 1, "multihead.paged": 1,
     "multihead.steps": 1, "multihead.trace": 1,
     # 2: the kernels
     "multihead.backends": 2,
@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
     "multihead.functional": 3,
     # 4: the module, its settings and what drives it; beside them the codecs of (AttentionConfig,
     # weights) from and to other layouts, which the module's from_torch/from_hf/to_torch call
-    "multihead.config": 4, "multihead.module": 4, "multihead.per_head": 4, "multihead.decode_step": 4,
+    "multihead.config": 4, "multihead.module": 4, "multihead.per_head": 4, "multihead.decode_step": 4, "multihead._torch_habits": 4,
     "multihead.decoding": 4, "multihead.hf": 4, "multihead.interop": 4, "multihead.integrations.torch_mha": 4,
     # 5: around the module: other conventions in and out, many devices
     "multihead.integrations": 5, "multihead.nn": 5,
@@ -116,9 +116,11 @@ IMPORTS = _imports()
 
 
 def layer(module: str) -> int:
-    """The layer of ``module``: that of the longest name in LAYERS covering it."""
+    """The layer of ``module``: that of the longest name in LAYERS covering it, the package's own
+    entry (``multihead``, the front door) covering no other module: a new top-level module must
+    be given its layer."""
     name = module
-    while name not in LAYERS:
+    while name not in LAYERS or (name == PACKAGE and module != PACKAGE):
         if "." not in name:
             raise KeyError(module)
         name = name.rsplit(".", 1)[0]
