@@ -13,6 +13,7 @@ import torch
 
 from .. import masks as _masks
 from ..backends import flex as _flex
+from ..masks.scores import alibi_score_mod
 
 
 def _split_mask(mask, shape, device) -> tuple[bool, Optional[torch.Tensor], Optional[torch.Tensor], tuple]:
@@ -81,7 +82,7 @@ class _Placed:
         if self.intervals is not None:
             select = _masks.mask_mod(_flex._intervals_mod([(lo[:, rows] - kg, hi[:, rows] - kg)
                                                            for lo, hi in self.intervals]))
-        adds = [_masks.score_mod(_flex._alibi(slopes.to(dtype), d[:, rows] - kg), tensors=(slopes,))
+        adds = [_masks.score_mod(alibi_score_mod(slopes.to(dtype), d[:, rows] - kg), tensors=(slopes,))
                 for slopes, d in self.diagonals]
         return select, adds
 

@@ -170,14 +170,8 @@ class ALiBi(Mask):
     ) -> Optional[tuple[Callable[..., torch.Tensor], str]]:
         """``s - slope[h] |kv - d[b, q]|``, d the row's diagonal key (per document, from ``mask``)."""
         diagonal = mask.row_diagonals(shape, self.align).to(device)
-        slopes = self.slopes.to(device=device, dtype=dtype)
-        per_batch = diagonal.shape[0] > 1
-
-        def alibi(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            d = diagonal[b if per_batch else 0, q]
-            return s - (slopes[b, h] if slopes.dim() == 2 else slopes[h]) * (kv - d).abs().to(s.dtype)
-
-        return alibi, "alibi -> score_mod (slope x distance to the diagonal)"
+        return alibi_score_mod(self.slopes.to(device=device, dtype=dtype), diagonal), \
+            "alibi -> score_mod (slope x distance to the diagonal)"
 
     def _check(self, shape: Shape, device: torch.device, name: str) -> None:
         if self.slopes.shape[-1] != shape[1]:
@@ -201,6 +195,21 @@ class ALiBi(Mask):
         more = ", ..." if self.slopes.numel() > 4 else ""
         rows = f"B={self.slopes.shape[0]}, " if self.slopes.dim() == 2 else ""
         return f"alibi({rows}H={self.slopes.shape[-1]}, slopes=[{shown}{more}], align={self.align!r})"
+
+def alibi_score_mod(slopes: torch.Tensor, diagonal: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """ALiBi as a score_mod: ``s - slope[h] |kv - d[b, q]|``.
+
+    slopes: (H,) or (B, H); diagonal: (B | 1, Lq) the key each row's distances count from (its
+    diagonal, per document: :meth:`Mask.row_diagonals`). Read by the flex translation and by the
+    ring, which places the diagonals of its own block pairs."""
+    per_batch = diagonal.shape[0] > 1
+
+    def alibi(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        d = diagonal[b if per_batch else 0, q]
+        return s - (slopes[b, h] if slopes.dim() == 2 else slopes[h]) * (kv - d).abs().to(s.dtype)
+
+    return alibi
+
 
 def alibi(slopes: Union[torch.Tensor, Sequence[float]], *, align: str = "bottom_right") -> Mask:
     """ALiBi: ``-slope_h · |j - d_i|`` added to the scores, ``slopes`` (H,) one per query head
