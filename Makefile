@@ -2,9 +2,10 @@
 # install only what they need, pinned by constraints.txt:
 #   demo  multihead and torch (the walkthrough needs nothing else)
 #   test  phase by phase (.ci/phases.py): install (the test extra: pytest, pytest-xdist,
-#         hypothesis, playwright, mypy, mkdocs, hf, viz), weights, browser (chromium), typecheck,
-#         docs, suite (every test, on every core), isa-default and isa-avx2 (the numerics-marked
-#         tests under other CPU kernels). It prints `phase NAME ... ok (Ns)` or `... FAILED` for
+#         hypothesis, playwright, mypy, mkdocs, hf, viz), weights, browser (chromium), kernels
+#         with typecheck, docs and tiles beside it, suite (every test, on every core) with
+#         isa-default and isa-avx2 beside it (the numerics-marked tests under other CPU kernels;
+#         a phase beside another runs at the same time, on the cores the other leaves idle). It prints `phase NAME ... ok (Ns)` or `... FAILED` for
 #         each, runs them all even after a failure, and exits non-zero if any failed. Each phase is
 #         also a target of its own (`make docs`, `make test-suite`, ...).
 #   test-fast  the inner loop: the suite without the slow families (compile, multiprocess,
