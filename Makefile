@@ -85,7 +85,7 @@ test-fast: $(VENV)/.test
 
 # --durations: the slowest tests, in CI's output; the JUnit file: the totals .ci/phases.py prints.
 test-suite: $(VENV)/.test $(VENV)/.weights
-	$(PYTEST) --durations=25 --junitxml=$(REPORTS)/suite.xml
+	$(PYTEST) --durations=40 --junitxml=$(REPORTS)/suite.xml
 
 # The numerics-marked tests (tests/conftest.py: those whose verdict can move with the CPU's
 # kernels) again under other CPU kernels: ATen's scalar code everywhere, and on an AVX-512 machine
