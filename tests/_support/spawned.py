@@ -16,8 +16,10 @@ import torch.multiprocessing as mp
 
 #: imported once by the fork server, not again by each rank: a rank is forked from it (milliseconds)
 #: instead of starting a Python that imports torch (seconds of CPU per rank). The server starts
-#: fresh (not forked from the test process), so the ranks see multihead as a new process does.
-PRELOAD = ["torch", "torch.distributed", "multihead"]
+#: fresh (not forked from the test process). Never multihead: Python 3.11's fork server imports its
+#: preload on the default sys.path, which may find another checkout's multihead (an editable
+#: install); each rank imports multihead itself, on the test process's sys.path.
+PRELOAD = ["torch", "torch.distributed"]
 
 
 def spawn_ranks(worker, nprocs: int, folder: Path, *args) -> list[dict]:
