@@ -94,10 +94,11 @@ def _load_smollm2(path: str) -> tuple[Any, Any]:
     do the same but also asks for ``accelerate``)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from ..integrations.transformers import from_gguf   # here, not at the top: it imports transformers (hf extra)
-    config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    return tokenizer, from_gguf(AutoModel, config, os.path.join(path, SMOLLM2_GGUF), attn_implementation=_NAME)
+    from ..integrations.transformers import from_gguf, reading_gguf_once   # here, not at the top: it imports transformers (hf extra)
+    with reading_gguf_once():  # the file parsed once for the three
+        config = AutoConfig.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        return tokenizer, from_gguf(AutoModel, config, os.path.join(path, SMOLLM2_GGUF), attn_implementation=_NAME)
 
 
 MODELS: dict[str, ModelSpec] = {

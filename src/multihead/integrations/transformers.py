@@ -313,7 +313,7 @@ def load(path: "str | os.PathLike[str]", gguf_file: Optional[str] = None, *, bac
     register(backend=backend)
     name = gguf_file or os.path.basename(os.path.normpath(folder))
     source = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    with progress(f"loading {name}", total=4) as bar:
+    with progress(f"loading {name}", total=4) as bar, reading_gguf_once():
         bar.update(note="config")
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **source)
         cls = model_class or _model_class(config)
@@ -365,6 +365,41 @@ def from_gguf(cls: Any, config: Any, file: str, *, attn_implementation: str = NA
         raise ValueError(f"{os.path.basename(file)} does not fit {type(model).__name__}: missing {untied[:5]}, "
                          f"unexpected {list(unexpected)[:5]}")
     return model
+
+
+@contextlib.contextmanager
+def reading_gguf_once() -> Any:
+    """Inside the block, each GGUF file is parsed once and gguf's tensor-name table built once.
+
+    >>> with reading_gguf_once():  # doctest: +SKIP
+    ...     config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    ...     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    transformers' GGUF reader parses the whole file (its metadata holds the vocabulary) for the
+    config, again for the tokenizer and again with the tensors, and builds gguf's table of tensor
+    names once per module of the model; both are pure functions of their arguments, so inside the
+    block the first result is kept (``gguf.GGUFReader`` and ``gguf.get_tensor_name_map``, which
+    transformers imports at each call, are wrapped, then restored). Without gguf it does nothing."""
+    try:
+        import gguf as _gguf
+    except ImportError:
+        yield
+        return
+    gguf: Any = _gguf  # its names are rebound below, which its own annotations forbid
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: "str | os.PathLike[str]", mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
 
 
 @contextlib.contextmanager
