@@ -29,6 +29,10 @@ ones), ``reorder(index)`` permutes or duplicates the batch rows (beam search), `
 keeps some rows (finished sequences leave the batch). `KVCache.layers` builds one cache per
 layer in a `KVCaches`, which applies these to every layer at once.
 
+One concept past 500 lines: the cache interface and its two kinds, which share it method for
+method, and `KVCaches`, the same interface over a model's layers (ragged batches are
+:mod:`multihead.ragged`, pages :mod:`multihead.paged`).
+
 The buffers are allocated once, on the first write, at their full size (B, Hkv, max_len, D);
 a write copies the new entries into place, so a step costs O(new tokens) writes (no O(n²)
 re-concatenation). With grouped-query attention (``num_kv_heads`` = Hkv < H) the cache holds

@@ -49,7 +49,7 @@ again::
         y = mha(x_next, cache=cache)        # runs it: guards, then the steps
 
 It runs the same ops as the general path, in the same order, on the same tensors, so its output
-is bit for bit the general path's (``tests/test_decode_step.py`` holds every step to it):
+is bit for bit the general path's (``tests/decoding/test_decode_step.py`` holds every step to it):
 `project_stacked` (B = 1; B > 1 the three products of `linear` and `multihead.heads.split_heads`),
 the module's ``rope`` at the cache's length, ``cache.store``, the backend's own ``fn`` (the one
 the dispatch would choose), `multihead.heads.merge_heads` and ``F.linear`` with ``out_proj``'s

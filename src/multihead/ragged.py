@@ -27,7 +27,7 @@ order, or ``cache.use(batch_index)``, flash-attn's ``cache_batch_idx``):
    columns (no mask is built per step, and none at all when every routed row has the same
    length); a step of several tokens builds its (B, 1, n, Lk) causal keep.
 
-Each row's output equals decoding that sequence alone (``tests/test_ragged_cache.py`` holds it
+Each row's output equals decoding that sequence alone (``tests/core/test_ragged_cache.py`` holds it
 to 1e-12 in float64 against a reference written from flash-attn's ``flash_attn_with_kvcache``
 semantics). The outputs of a prompt's padding queries (positions >= P) are not meaningful.
 

@@ -13,7 +13,7 @@ permutation of the keys (any tile order). Outputs and the gradients of q, k, v a
 held to the float64 oracle's rule (:func:`oracle.judge`), in float64, float32 and bfloat16.
 The named tests below are the shapes of the defects found so far, written out.
 
-Run deeper with ``pytest tests/test_tiles.py --hypothesis-profile=long``.
+Run deeper with ``pytest tests/backends/test_tiles.py --hypothesis-profile=long``.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, Dv value dim.
 """

@@ -10,7 +10,7 @@
 
 Given the same tables the two sides run the same float64 products (the peers' in another
 order), so they agree to 1e-12. Our own tables (float64 angles) against the peers' float32 ones
-are compared with the float32 bound of tests/test_hf_rope.py."""
+are compared with the float32 bound of tests/integrations/test_hf_rope.py."""
 
 import pytest
 import torch

@@ -4,7 +4,7 @@ Each process costs a torch import, so the tests launch 4 worker processes once (
 loopback, meeting through a file store in the test's folder). They run every case of :data:`CASES` on three rings: all 4
 ranks, and the subgroups (0, 1) and (2, 3) side by side; then a hung rank and a crashed rank.
 The parent compares the gathered shards with ``multihead.attention`` on the whole sequence.
-By hand: ``python tests/test_distributed.py RANK 4 file:///tmp/ring/rendezvous /tmp/ring`` for RANK = 0..3.
+By hand: ``python tests/distributed/test_distributed.py RANK 4 file:///tmp/ring/rendezvous /tmp/ring`` for RANK = 0..3.
 """
 
 from __future__ import annotations

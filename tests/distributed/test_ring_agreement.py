@@ -12,7 +12,7 @@ by; then a rank rejecting its own arguments, a call that must work, and the back
 the last of which breaks the group. Each case's outcome is written as soon as it is known, so
 a rank that dies leaves the ones it finished; every ring wait is bounded by ``timeout`` and the
 launch by a deadline, so old code fails these tests instead of hanging them (on f400da4 the
-first case kills rank 2 by SIGABRT). By hand: ``python tests/test_ring_agreement.py RANK 3
+first case kills rank 2 by SIGABRT). By hand: ``python tests/distributed/test_ring_agreement.py RANK 3
 file:///tmp/ring/rendezvous /tmp/ring`` for RANK = 0, 1, 2. The in-process tests at the end check the descriptor's encoding
 and the messages for 4 ranks with ties, without processes.
 """

@@ -387,7 +387,7 @@ def test_rope_lines_only_for_rotary_models(tmp_path):
 
 
 def test_a_too_long_text_is_refused_with_the_limit_and_why(dirs):
-    # past MAX_TOKENS a text is shown as chosen rows (tests/test_explain_long.py), up to the
+    # past MAX_TOKENS a text is shown as chosen rows (tests/explain/test_explain_long.py), up to the
     # positions the model was trained on: the tiny llama's max_position_embeddings is 64
     long = " ".join(["the cat sat on the mat ."] * 10)    # 70 tokens
     rc, out, err = cli("--model", dirs["llama"], "--text", long)

@@ -6,7 +6,7 @@ What is compared:
 * the rows of :meth:`RealModel.run_rows` against the same rows of the whole-map run
   (:meth:`RealModel.run`, the reference backend's softmax) on tiny random models of every mask
   kind (causal, bidirectional, sliding window, softcap, sinks), within the bound of
-  tests/test_explain_architectures.py: 16 eps32 (D max|q| max|k| |scale| + L + 1); the masks exactly;
+  tests/explain/test_explain_architectures.py: 16 eps32 (D max|q| max|k| |scale| + L + 1); the masks exactly;
 * O(L): a dispatch mode sees every tensor torch makes during the run; at L = 2000 none could
   hold an (L, L) map (L² elements, or two axes of at least L/2), while the same detector does
   see the (H, L, L) maps of the whole-map run (so it can fail);

@@ -3,13 +3,13 @@
 Hypothesis draws B, H, Hkv | H, Lq, Lk (1 to 70: lengths that are multiples of no block size
 are the common case), D, Dv, the dtype (float64, float32, bfloat16, float16), self or cross
 attention, and up to three masks of every kind joined with ``&`` (the score mods and sinks
-excepted: they are not a keep or a bias, and tests/test_masks_kinds.py holds them to float64
+excepted: they are not a keep or a bias, and tests/masks/test_masks_kinds.py holds them to float64
 definitions). Each path's output and
 gradients are held to the rule of :mod:`oracle` (at most 2x the error of the naive attention
 computed in the same precision, plus a few ulps). Backends come from
 ``multihead.backends.names()`` at run time, so a newly registered backend is covered as is.
 
-Run deeper with ``pytest tests/test_properties.py --hypothesis-profile=long``.
+Run deeper with ``pytest tests/functional/test_properties.py --hypothesis-profile=long``.
 
 Legend: B batch, H query heads, Hkv key/value heads, Lq/Lk lengths, D head dim, Dv value dim.
 """

@@ -232,7 +232,7 @@ def test_alibi_under_causal_equals_bloom_key_position_bias():
 
 def test_bad_alibi():
     with pytest.raises(ValueError, match=r"must be \(H,\)"):
-        masks.alibi(torch.zeros(2, 2, 2))  # (H,) or (B, H): per-sequence slopes, tests/test_alibi_per_sequence.py
+        masks.alibi(torch.zeros(2, 2, 2))  # (H,) or (B, H): per-sequence slopes, tests/masks/test_alibi_per_sequence.py
     with pytest.raises(TypeError, match="must be floating"):
         masks.alibi(torch.zeros(2, dtype=torch.long))
     with pytest.raises(TypeError, match="sequence of numbers"):

@@ -181,7 +181,7 @@ def test_the_reader_sees_every_kind_of_import():
 
 def test_every_module_has_a_layer():
     missing = sorted(m for m in MODULES if not _has_layer(m))
-    assert not missing, f"add these modules to LAYERS in tests/test_imports.py (and docs/DESIGN's order): {missing}"
+    assert not missing, f"add these modules to LAYERS in tests/project/test_imports.py (and docs/DESIGN's order): {missing}"
 
 
 def _has_layer(module: str) -> bool:
