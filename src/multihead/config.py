@@ -30,7 +30,7 @@ _PROJECTIONS = {
 }
 
 
-def _resolved(value: Optional[int]) -> int:
+def resolved_size(value: Optional[int]) -> int:
     """A size field as `AttentionConfig.__post_init__` leaves it: an int (None is only ever passed in)."""
     if value is None:
         raise AttributeError("an AttentionConfig size is read before __post_init__ resolved it")
@@ -129,17 +129,17 @@ class AttentionConfig:
 
     @property
     def head_dim(self) -> int:
-        return _resolved(self.d_out) // self.num_heads
+        return resolved_size(self.d_out) // self.num_heads
 
     @property
     def kv_dim(self) -> int:
         """Output size of the key and value projections: Hkv * head_dim."""
-        return _resolved(self.num_kv_heads) * self.head_dim
+        return resolved_size(self.num_kv_heads) * self.head_dim
 
     @property
     def groups(self) -> int:
         """Query heads per key/value head."""
-        return self.num_heads // _resolved(self.num_kv_heads)
+        return self.num_heads // resolved_size(self.num_kv_heads)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (``rope_scaling`` as a dict or None): ``AttentionConfig(**d)`` reads it back."""

@@ -90,7 +90,7 @@ from . import trace as _trace
 from ._numerics import default_scale
 from .backends import Call
 from .cache import KVCache
-from .heads import _merge_heads, _split_heads
+from .heads import merge_heads_traced, split_heads_traced
 
 __all__ = ["StackedQKV", "DecodeStep", "ENABLED", "plain", "linear", "block_for", "project_stacked"]
 
@@ -217,7 +217,7 @@ def project_stacked(query: torch.Tensor, block: StackedQKV, heads: int, kv_heads
     """Q (B, H, Lq, D), K, V (B, Hkv, Lq, D), views of the one product of ``query`` (B, Lq, d_in)
     with the block: the heads of all three split at once (H + 2 Hkv heads), then apart."""
     qkv = F.linear(query, block[0], block[1])  # (B, Lq, d_out + 2 kv_dim)
-    return _split_heads(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
+    return split_heads_traced(qkv, heads + 2 * kv_heads, None).split_with_sizes((heads, kv_heads, kv_heads), dim=1)
 
 
 class DecodeStep:
@@ -308,11 +308,11 @@ class DecodeStep:
         if block is not None:  # B = 1: the one product with the stacked block
             q, k, v = project_stacked(query, block, heads, kv_heads)
         else:  # B > 1: three products, as the general path makes them
-            q, k, v = (_split_heads(linear(lin, query, True), n, None)
+            q, k, v = (split_heads_traced(linear(lin, query, True), n, None)
                        for lin, n in zip(projections[:3], (heads, kv_heads, kv_heads)))
         rope = mha.rope
         if rope is not None:
             q, k = rope(q, cache.length), rope(k, cache.length)
         k, v = cache.store(k, v)
         o = backend.fn(q, k, v, None, scale=self._scale, dropout_p=0.0)  # (B, H, 1, D)
-        return linear(projections[3], _merge_heads(o, None), True)
+        return linear(projections[3], merge_heads_traced(o, None), True)

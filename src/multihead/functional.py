@@ -331,7 +331,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     if returns not in ("out", "lse"):
         raise ValueError(f"returns must be 'out', 'lse' or 'weights', got {returns!r}")
     need_lse = returns == "lse"
-    chosen = _backends._resolve(backend, _backends.Call(q, k, v, mask, dropout_p, need_lse=need_lse), tr)
+    chosen = _backends.resolve_traced(backend, _backends.Call(q, k, v, mask, dropout_p, need_lse=need_lse), tr)
     if tr is not None:
         tr.set_config(backend=chosen.name)
     device = device_type(q)

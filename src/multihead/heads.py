@@ -20,15 +20,15 @@ from . import trace as _trace
 
 def split_heads(x: torch.Tensor, num_heads: int, *, role: str = "") -> torch.Tensor:
     """(B, L, H*D) -> (B, H, L, D), as a view: ``'b t (h d) -> b h t d'``."""
-    return _split_heads(x, num_heads, _trace.current(), role)
+    return split_heads_traced(x, num_heads, _trace.current(), role)
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B, L, H*D): ``'b h t d -> b t (h d)'``."""
-    return _merge_heads(x, _trace.current())
+    return merge_heads_traced(x, _trace.current())
 
 
-def _split_heads(x: torch.Tensor, num_heads: int, tr: Optional[_trace.Trace], role: str = "") -> torch.Tensor:
+def split_heads_traced(x: torch.Tensor, num_heads: int, tr: Optional[_trace.Trace], role: str = "") -> torch.Tensor:
     """:func:`split_heads`, recording into ``tr`` (the caller's :func:`multihead.trace.current`, or None)."""
     B, L, F = x.shape
     y = x.view(B, L, num_heads, F // num_heads)
@@ -40,7 +40,7 @@ def _split_heads(x: torch.Tensor, num_heads: int, tr: Optional[_trace.Trace], ro
     return z
 
 
-def _merge_heads(x: torch.Tensor, tr: Optional[_trace.Trace]) -> torch.Tensor:
+def merge_heads_traced(x: torch.Tensor, tr: Optional[_trace.Trace]) -> torch.Tensor:
     """:func:`merge_heads`, recording into ``tr`` (the caller's :func:`multihead.trace.current`, or None)."""
     B, H, L, D = x.shape
     y = x.transpose(1, 2)

@@ -64,12 +64,12 @@ _SUPPORTED = (
 )
 
 
-def _is_linear(m: object) -> TypeGuard[nn.Linear]:
+def is_linear(m: object) -> TypeGuard[nn.Linear]:
     return isinstance(m, nn.Linear)
 
 
-def _has_linears(module, names) -> bool:
-    return all(_is_linear(getattr(module, n, None)) for n in names)
+def has_linears(module, names) -> bool:
+    return all(is_linear(getattr(module, n, None)) for n in names)
 
 
 def _codec(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dropout: float,
@@ -101,7 +101,7 @@ def _codec(linears: dict, *, num_heads: int, num_kv_heads: int, causal: bool, dr
 
 
 def _linears(module: object, names: tuple[str, ...]) -> list[nn.Linear]:
-    """``module``'s attributes ``names``, which the caller has checked are nn.Linear (:func:`_has_linears`)."""
+    """``module``'s attributes ``names``, which the caller has checked are nn.Linear (:func:`has_linears`)."""
     return [cast(nn.Linear, getattr(module, n)) for n in names]
 
 
@@ -141,22 +141,22 @@ def from_hf(module: nn.Module, *, output_dense: Optional[nn.Linear] = None) -> t
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_hf takes a torch.nn.Module, got {type(module).__name__}; pass {_SUPPORTED}")
-    if _has_linears(getattr(module, "self", None), ("query", "key", "value")):
+    if has_linears(getattr(module, "self", None), ("query", "key", "value")):
         self_attn = module.self
         dense = getattr(getattr(module, "output", None), "dense", None)
-        if not _is_linear(dense):
+        if not is_linear(dense):
             raise TypeError(f"{type(module).__name__}.output.dense is not an nn.Linear; pass {_SUPPORTED}")
         if output_dense is not None:
             raise ValueError("output_dense is only for a bare BertSelfAttention; a BertAttention has its own")
         return _from_bert(self_attn, dense)
-    if _has_linears(module, ("query", "key", "value")):
-        if not _is_linear(output_dense):
+    if has_linears(module, ("query", "key", "value")):
+        if not is_linear(output_dense):
             raise ValueError(
                 f"{type(module).__name__} has no output projection: pass output_dense=layer.attention.output.dense, "
                 "or pass the BertAttention (layer.attention) itself"
             )
         return _from_bert(module, output_dense)
-    if _has_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if has_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj")):
         if output_dense is not None:
             raise ValueError("output_dense is only for a bare BertSelfAttention; this module has o_proj")
         return _from_llama(module)

@@ -63,8 +63,8 @@ from ._numerics import default_scale
 from .integrations.torch_mha import load_torch_state_dict
 from .backends import BackendName
 from .cache import KVCache
-from .config import AttentionConfig, _resolved
-from .heads import _merge_heads, _split_heads
+from .config import AttentionConfig, resolved_size
+from .heads import merge_heads_traced, split_heads_traced
 from .rope import RoPE, RoPEScaling
 from . import hf as _hf, interop as _interop, per_head as _per_head
 
@@ -178,10 +178,10 @@ class MultiHeadAttention(nn.Module):
                             interleaved=cfg.rope_interleaved, rotary_dim=cfg.rope_dim)
         self.rope = rope_obj
         factory = {"device": device, "dtype": dtype}
-        d_out = _resolved(cfg.d_out)
+        d_out = resolved_size(cfg.d_out)
         self.q_proj = nn.Linear(cfg.d_in, d_out, bias=cfg.bias, **factory)
-        self.k_proj = nn.Linear(_resolved(cfg.kdim), cfg.kv_dim, bias=cfg.bias, **factory)
-        self.v_proj = nn.Linear(_resolved(cfg.vdim), cfg.kv_dim, bias=cfg.bias, **factory)
+        self.k_proj = nn.Linear(resolved_size(cfg.kdim), cfg.kv_dim, bias=cfg.bias, **factory)
+        self.v_proj = nn.Linear(resolved_size(cfg.vdim), cfg.kv_dim, bias=cfg.bias, **factory)
         self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
         self._stacked: Optional[_decoding.StackedQKV] = None  # the q/k/v parameters' block (multihead.decoding)
         self._decode_step: Optional[_decoding.DecodeStep] = None  # what a plain decode step decided
@@ -306,7 +306,7 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return _resolved(self.config.num_kv_heads)
+        return resolved_size(self.config.num_kv_heads)
 
     @property
     def head_dim(self) -> int:
@@ -551,7 +551,7 @@ class MultiHeadAttention(nn.Module):
                        _decoding.linear(v_proj, value, plain))
         if tr is not None:
             self._record_projections(tr, (q, k, v), (query, key, value), stacked is not None)
-        return _split_heads(q, heads, tr, "Q"), _split_heads(k, kv_heads, tr, "K"), _split_heads(v, kv_heads, tr, "V")
+        return split_heads_traced(q, heads, tr, "Q"), split_heads_traced(k, kv_heads, tr, "K"), split_heads_traced(v, kv_heads, tr, "V")
 
     def _record_projections(self, tr, outs: tuple, inputs: tuple, one_product: bool = False) -> None:
         """Trace the three projections, with the seeds' claim checked on the real values: when
@@ -623,7 +623,7 @@ class MultiHeadAttention(nn.Module):
         if cache_mask is not None:
             m = cache_mask if m is None else cache_mask & m
         if tr is not None:
-            params = {"length": cache.length, "max_len": cache.max_len, "kv_heads": _resolved(self.config.num_kv_heads),
+            params = {"length": cache.length, "max_len": cache.max_len, "kv_heads": resolved_size(self.config.num_kv_heads),
                       "new": new}
             tr.record(_steps.CACHE_APPEND, k, role="K", params=params)
             tr.record(_steps.CACHE_APPEND, v, role="V", params=params)
@@ -642,7 +642,7 @@ class MultiHeadAttention(nn.Module):
         """(B, H, Lq, Dv) -> (B, Lq, d_out): merge the heads, then W_O."""
         if plain is None:
             plain = _decoding.plain(self.projections)
-        out = _decoding.linear(self.projections[3], _merge_heads(o, tr), plain)
+        out = _decoding.linear(self.projections[3], merge_heads_traced(o, tr), plain)
         if tr is not None:
             tr.record(_steps.OUTPUT_PROJECTION, out, params={
                 "f_in": o.shape[1] * o.shape[3], "bias": getattr(self.out_proj, "bias", None) is not None})

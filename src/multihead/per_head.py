@@ -23,7 +23,7 @@ import torch.nn as nn
 from . import masks as _masks
 from ._checks import check_heads, check_module_inputs, check_positive_int
 from ._numerics import compute_dtype
-from .config import AttentionConfig, _resolved
+from .config import AttentionConfig, resolved_size
 from .functional import attention
 
 __all__ = ["PerHeadAttention", "Head", "to_per_head", "from_per_head"]
@@ -75,9 +75,9 @@ class PerHeadAttention(nn.Module):
         self.config = cfg
         factory = {"device": device, "dtype": dtype}
         self.heads = nn.ModuleList(
-            Head(cfg.d_in, _resolved(cfg.kdim), _resolved(cfg.vdim), cfg.head_dim, cfg.bias, **factory) for _ in range(cfg.num_heads)
+            Head(cfg.d_in, resolved_size(cfg.kdim), resolved_size(cfg.vdim), cfg.head_dim, cfg.bias, **factory) for _ in range(cfg.num_heads)
         )
-        d_out = _resolved(cfg.d_out)
+        d_out = resolved_size(cfg.d_out)
         self.out_proj = nn.Linear(d_out, d_out, bias=cfg.bias, **factory)
 
     def forward(

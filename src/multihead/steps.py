@@ -212,7 +212,7 @@ def singular_ones(text: str) -> str:
     return _ONE.sub(lambda m: "1 " + (m.group(1)[:-3] + "y" if m.group(1).endswith("queries") else m.group(1)[:-1]), text)
 
 
-def _text(text: Text, values: Mapping[str, Any], lang: str) -> str:
+def fill_text(text: Text, values: Mapping[str, Any], lang: str) -> str:
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {LANGS}, got {lang!r}")
     if callable(text):

@@ -96,18 +96,18 @@ class Step:
     def title(self, lang: str = "en") -> str:
         """The step's title in ``lang`` ("split heads K", "分头（键 K）")."""
         role = _steps.ROLES[self.role][_steps.LANGS.index(lang)] if self.role else ""
-        text = _steps._text(self.kind.title, {**self._values(), "role": role}, lang)
+        text = _steps.fill_text(self.kind.title, {**self._values(), "role": role}, lang)
         if role and not (isinstance(self.kind.title, tuple) and "{role}" in self.kind.title[0]):
             text = f"{text} {role}" if lang == "en" else f"{text}（{role}）"
         return text
 
     def meaning(self, lang: str = "en", sizes: Optional[dict[str, Any]] = None) -> str:
         """One line saying what the step means, with ``sizes`` (the example's B, Lq, ...) filled in."""
-        return _steps._text(self.kind.meaning, self._values(sizes), lang)
+        return _steps.fill_text(self.kind.meaning, self._values(sizes), lang)
 
     def note_text(self, lang: str = "en") -> str:
         """The step's note in ``lang``, written from its params ("" when it has none)."""
-        return _steps._text(self.kind.note, self._values(), lang)
+        return _steps.fill_text(self.kind.note, self._values(), lang)
 
     @property
     def note(self) -> str:

@@ -423,11 +423,11 @@ def test_sdpa_takes_plain_only_what_it_neither_refuses_nor_declines_and_for_fewe
     assert sdpa.takes_plain(call(lk)) is takes
     for keys in (lk, lk // 2, 1):
         if sdpa.takes_plain(call(keys)):
-            assert backends._why_not(sdpa, call(keys)) is None
+            assert backends.why_not(sdpa, call(keys)) is None
     if takes:
         assert all(sdpa.takes_plain(call(keys)) for keys in (lk // 2, 1))
     else:  # False only means "ask the full reasons": they plan torch's flash kernel, no dense tensors
-        assert backends._why_not(sdpa, call(lk)) is None
+        assert backends.why_not(sdpa, call(lk)) is None
         assert backends.resolve("auto", call(lk)).name == backends.explain_dispatch_call(call(lk)).backend
 
 

@@ -217,3 +217,67 @@ def test_the_import_graph_has_no_cycle():
 def test_the_cycle_finder_finds_cycles(edges, expected):
     """The finder on small graphs, so that an empty answer on the package means no cycle."""
     assert cycles([Import(a, b, 1, "top") for a, b in edges]) == expected
+
+
+# -- private names stay in their room
+
+def room(module: str) -> str:
+    """The room a module belongs to: its subpackage (``multihead.masks.core`` -> ``multihead.masks``),
+    or the module itself when it sits at the top of the package (``multihead.heads``)."""
+    parts = module.split(".")
+    if len(parts) >= 2 and f"{parts[0]}.{parts[1]}" in MODULES and any(m.startswith(f"{parts[0]}.{parts[1]}.") for m in MODULES):
+        return f"{parts[0]}.{parts[1]}"
+    return module
+
+
+def _resolve_from(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        return ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+    return node.module or ""
+
+
+def private_uses() -> list[str]:
+    """Each use of another room's private name (``from .heads import _split``, or ``_x._name`` where
+    ``_x`` is a multihead module imported into the file): 'file:line name (from module)'."""
+    found = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        bound: dict[str, str] = {}   # local name -> the multihead module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve_from(module, path, node)
+                if base.split(".")[0] != PACKAGE:
+                    continue
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in MODULES:
+                        bound[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not a.name.startswith("__") and room(_known(base)) != room(module):
+                        found.append(f"{path.relative_to(SRC)}:{node.lineno} {a.name} (from {base})")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == PACKAGE and a.asname:
+                        bound[a.asname] = _known(a.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and f"{bound[node.value.id]}.{node.attr}" not in MODULES
+                    and room(bound[node.value.id]) != room(module)):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.attr} (of {bound[node.value.id]})")
+    return found
+
+
+def test_private_names_stay_in_their_room():
+    """A leading underscore means "of this module, or of the files of its subpackage": another room
+    reaches a name only when it is public (named without the underscore; ``__all__`` still says
+    what the package promises its users). Modules named with an underscore (``_numerics``,
+    ``backends._tiles``) are internal modules: importing them is fine, their private names are not."""
+    found = private_uses()
+    assert not found, "private names used from another room:\n" + "\n".join(sorted(found))
+
+
+def test_a_room_is_a_subpackage_or_a_top_level_module():
+    assert room("multihead.masks.core") == room("multihead.masks.geometry") == "multihead.masks"
+    assert room("multihead.backends") == room("multihead.backends._tiles") == "multihead.backends"
+    assert room("multihead.heads") == "multihead.heads" != room("multihead.module")

@@ -17,7 +17,7 @@ Dv value head dim.
 
 from __future__ import annotations
 
-from .registry import AUTO_ORDER as AUTO_ORDER, _REGISTRY as _REGISTRY, _resolve as _resolve, _why_not as _why_not
+from .registry import AUTO_ORDER as AUTO_ORDER, _REGISTRY as _REGISTRY, resolve_traced as resolve_traced, why_not as why_not
 from .registry import (Backend, BackendName, Call, Dispatch, explain_dispatch_call, get, names, register,
                        resolve)
 from . import reference, sdpa, chunked, flex  # each registers itself (names in AUTO_ORDER)

@@ -88,7 +88,7 @@ def _lookup(t: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tens
     return at
 
 
-def _intervals_mod(ivs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> MaskMod:
+def intervals_mod(ivs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> MaskMod:
     """Key kv is visible from row (b, q) when lo[b, q] <= kv < hi[b, q] for one of the intervals
     (the per-row intervals of the structural parts: causal, window, documents, chunked_local)."""
     bounds = tuple((lo, hi, lo.shape[0] > 1) for lo, hi in ivs)
@@ -191,7 +191,7 @@ def translate(mask: Optional[Mask], shape: Shape, *, device: torch.device, dtype
     described: list[str] = []
     ivs = mask.row_intervals(shape)
     if ivs is not None:
-        selects.append(_intervals_mod([(lo.to(device), hi.to(device)) for lo, hi in ivs]))
+        selects.append(intervals_mod([(lo.to(device), hi.to(device)) for lo, hi in ivs]))
         kinds = " & ".join(p.kind for p in parts if p.is_structural)
         described.append(f"{kinds} -> mask_mod (the key intervals of each row, {len(ivs)} per row)")
     for part in parts:

@@ -115,7 +115,7 @@ def _refusal(backend: Backend, call: Call) -> Optional[str]:
     return backend.refuses(call)
 
 
-def _why_not(backend: Backend, call: Call) -> Optional[str]:
+def why_not(backend: Backend, call: Call) -> Optional[str]:
     """Why ``auto`` passes ``call`` over ``backend``, or None when it can take it."""
     why = _refusal(backend, call)
     if why is None and backend.auto_declines is not None:
@@ -127,7 +127,7 @@ def explain_dispatch_call(call: Call) -> Dispatch:
     refused: dict[str, str] = {}
     chosen = None
     for name in AUTO_ORDER:
-        why = _why_not(_REGISTRY[name], call)
+        why = why_not(_REGISTRY[name], call)
         if why is None and chosen is None:
             chosen = name
         elif why is not None:
@@ -145,10 +145,10 @@ def resolve(name: str, call: Call) -> Backend:
     For ``"auto"`` this asks the backends in AUTO_ORDER only until one accepts; the reasons of
     all of them are gathered only when a trace is recording (it stores them).
     """
-    return _resolve(name, call, _trace.current())
+    return resolve_traced(name, call, _trace.current())
 
 
-def _resolve(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
+def resolve_traced(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
     """:func:`resolve`, for a caller that looked up the trace (``tr``, or None) already."""
     if name == "auto":
         if tr is not None:
@@ -161,7 +161,7 @@ def _resolve(name: str, call: Call, tr: Optional[_trace.Trace]) -> Backend:
                 return first
         for candidate in AUTO_ORDER:
             backend = _REGISTRY[candidate]
-            if _why_not(backend, call) is None:
+            if why_not(backend, call) is None:
                 return backend
         raise AssertionError("the reference backend accepts every call")
     backend = get(name)

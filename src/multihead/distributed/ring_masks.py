@@ -80,7 +80,7 @@ class _Placed:
         rows = slice(qg, qg + qn)
         select = None
         if self.intervals is not None:
-            select = _masks.mask_mod(_flex_masks._intervals_mod([(lo[:, rows] - kg, hi[:, rows] - kg)
+            select = _masks.mask_mod(_flex_masks.intervals_mod([(lo[:, rows] - kg, hi[:, rows] - kg)
                                                            for lo, hi in self.intervals]))
         adds = [_masks.score_mod(alibi_score_mod(slopes.to(dtype), d[:, rows] - kg), tensors=(slopes,))
                 for slopes, d in self.diagonals]

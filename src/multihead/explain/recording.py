@@ -25,7 +25,7 @@ import torch
 from .. import steps
 from .._numerics import default_scale
 from ..functional import attention_weights
-from ..hf import _has_linears, _is_linear
+from ..hf import has_linears, is_linear
 from ..trace import trace
 from . import ExplainWarning
 from .layer_attention import describe
@@ -145,14 +145,14 @@ def _attention_modules(net: Any) -> list[tuple[Any, str, Any]]:
     (query, key, value; the output projection is the parent's ``output.dense``)."""
     found = []
     for name, m in net.named_modules():
-        if _has_linears(m, ("q_proj", "k_proj", "v_proj", "o_proj")):
+        if has_linears(m, ("q_proj", "k_proj", "v_proj", "o_proj")):
             found.append((m, "llama", m.o_proj))
-        elif _has_linears(m, ("q_proj", "k_proj", "v_proj", "out_proj")):
+        elif has_linears(m, ("q_proj", "k_proj", "v_proj", "out_proj")):
             found.append((m, "opt", m.out_proj))
-        elif _has_linears(m, ("query", "key", "value")):
+        elif has_linears(m, ("query", "key", "value")):
             parent = net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else net
             dense = getattr(getattr(parent, "output", None), "dense", None)
-            found.append((m, "bert", dense if _is_linear(dense) else None))
+            found.append((m, "bert", dense if is_linear(dense) else None))
     return found
 
 
