@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import explain
     from .explain.explanation import explain_module
-    from .diagnose import diagnose
+    from .diagnosis import diagnose
     from .explain.real_model import explain_model
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
@@ -75,14 +75,19 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``multihead.explain`` (the package), ``explain_module``, ``explain_model`` and ``diagnose``,
+    """``multihead.explain`` (the package), ``explain_module``, ``explain_model`` and ``diagnose`` (a
+    function; its package is :mod:`multihead.diagnosis`),
     imported on first use (``import multihead`` stays light: the walkthrough's renderers load only
     when asked for). This front door sits above the explain and diagnose packages, so these
     imports point the one way."""
-    if name in ("explain", "diagnose"):
+    if name == "explain":
         import importlib
 
-        return importlib.import_module("." + name, __name__)  # diagnose: the package is callable, diagnose(...)
+        return importlib.import_module(".explain", __name__)
+    if name == "diagnose":        # the first wrong step of your own module: multihead.diagnose(mha)
+        from .diagnosis import diagnose
+
+        return diagnose
     if name == "explain_module":  # your own module's walkthrough: multihead.explain_module(mha, x)
         from .explain.explanation import explain_module
 

@@ -187,8 +187,8 @@ def build_parser(*, defaults: bool = True) -> argparse.ArgumentParser:
 def _diagnose(args, stdout) -> int:
     """``multihead diagnose``: the report, exit 0 (with ``--check``: 1 when a step is wrong)."""
     from .explain import check_out
-    from .diagnose import diagnose
-    from .diagnose.load import load_module, parse_assignments
+    from .diagnosis import diagnose
+    from .diagnosis.load import load_module, parse_assignments
 
     out = check_out(args.out, stdout)
     module = load_module(args.target, parse_assignments(args.init, "--init"))

@@ -42,7 +42,7 @@ LAYERS: dict[str, int] = {
     "multihead.integrations": 5, "multihead.nn": 5,
     "multihead.distributed": 5, "multihead.ulysses": 5,
     # 6: showing and checking what attention did
-    "multihead.explain": 6, "multihead.diagnose": 6,
+    "multihead.explain": 6, "multihead.diagnosis": 6,
     # 7: the package's front door (``import multihead``), then the command line
     "multihead": 7, "multihead.__main__": 8, "multihead.cli": 8,
 }
@@ -173,7 +173,7 @@ def test_the_reader_sees_every_kind_of_import():
     by_source = {(i.source, i.target) for i in IMPORTS}
     assert ("multihead.functional", "multihead.backends") in by_source          # from . import backends
     assert ("multihead.functional", "multihead.backends.reference") in by_source  # from .backends import reference
-    assert ("multihead.cli", "multihead.diagnose.load") in by_source                 # inside a function
+    assert ("multihead.cli", "multihead.diagnosis.load") in by_source                 # inside a function
     assert ("multihead", "multihead.explain.explanation") in by_source               # under TYPE_CHECKING too
     assert {i.where for i in IMPORTS} == {"top", "nested (in a function or block)", "type checking only"}
     assert len(MODULES) > 40 and len(IMPORTS) > 150

@@ -14,7 +14,7 @@ import torch.nn as nn
 import diagnose_corpus as corpus
 import multihead
 from multihead.cli import main
-from multihead.diagnose import MAX_PARAMETERS, NotAttention, diagnose
+from multihead.diagnosis import MAX_PARAMETERS, NotAttention, diagnose
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "examples" / "my_attention.py"
 
@@ -193,3 +193,17 @@ def test_cli_refuses_a_non_attention_module(tmp_path):
                     "        self.fc = nn.Linear(4, 4)\n    def forward(self, x):\n        return self.fc(x)\n")
     rc, _, err = _cli(f"{path}:Mlp")
     assert rc == 2 and "not an attention module" in err and err.count("\n") == 1
+
+
+def test_diagnose_is_a_function_and_its_package_a_module_of_another_name():
+    """One name per thing: ``multihead.diagnose`` is the verb (a function, not a package made
+    callable by swapping its class), ``multihead.diagnosis`` the package; importing the package
+    does not shadow the function."""
+    import types
+
+    import multihead
+    import multihead.diagnosis
+
+    assert isinstance(multihead.diagnose, types.FunctionType)
+    assert multihead.diagnose is multihead.diagnosis.diagnose
+    assert type(multihead.diagnosis) is types.ModuleType and not callable(multihead.diagnosis)

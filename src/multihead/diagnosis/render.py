@@ -1,7 +1,7 @@
 """A diagnosis as text, plain data (JSON) and HTML, in English or Chinese.
 
     >>> import torch.nn as nn
-    >>> from multihead.diagnose import diagnose
+    >>> from multihead.diagnosis import diagnose
     >>> print(diagnose(nn.MultiheadAttention(8, 2, batch_first=True)).text("en").splitlines()[0])
     MultiheadAttention: matches the definition
 

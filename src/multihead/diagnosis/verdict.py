@@ -1,7 +1,7 @@
 """The verdict: a finding, or "matches the definition" with the measured error and the bound.
 
     >>> import torch.nn as nn
-    >>> from multihead.diagnose import diagnose
+    >>> from multihead.diagnosis import diagnose
     >>> d = diagnose(nn.MultiheadAttention(8, 2, batch_first=True))
     >>> d.status, d.error <= d.bound, [c.key for c in d.conventions]
     ('matches', True, ['mask_block', 'row_nan'])
@@ -48,7 +48,7 @@ class Convention:
 
 @dataclass
 class Diagnosis:
-    """What :func:`multihead.diagnose.diagnose` found.
+    """What :func:`multihead.diagnose` found.
 
     status: "matches" (the module computes the definition; ``conventions`` may name choices
     that differ from multihead's) or "bug" (``finding`` is the first wrong step). error / bound:

@@ -1,7 +1,7 @@
 """``diagnose(module)``: run the user's module and the definition on the probes, compare, locate.
 
     >>> import torch.nn as nn
-    >>> from multihead.diagnose import diagnose
+    >>> from multihead.diagnosis import diagnose
     >>> diagnose(nn.MultiheadAttention(8, 2)).facts["batch_first"]      # found by trial
     False
 
@@ -262,7 +262,7 @@ def diagnose(module: nn.Module, x: Optional[torch.Tensor] = None, *, num_heads: 
         kwargs: further arguments ``forward`` needs (passed to every call).
 
     Returns:
-        A :class:`multihead.diagnose.Diagnosis`: ``.status`` "matches" or "bug", ``.finding``
+        A :class:`multihead.diagnosis.Diagnosis`: ``.status`` "matches" or "bug", ``.finding``
         (the step, role, rule, source line, diagram), ``.conventions``, ``.error`` / ``.bound``;
         ``.text(lang)``, ``.to_json()``, ``.html(lang)`` and inline display in Jupyter.
 

@@ -1,6 +1,6 @@
 """Every sentence a diagnosis writes, in English and Chinese: ``key -> (en, zh)`` format strings.
 
-    >>> from multihead.diagnose.words import say
+    >>> from multihead.diagnosis.words import say
     >>> say("kv_query_length", "en", role="K", lq=5, lk=7, shape=(2, 5, 2, 4), line=23, code="")
     'your K is reshaped with the query length Lq=5, but there are Lk=7 key tokens: ...'
 

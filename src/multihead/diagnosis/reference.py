@@ -2,8 +2,8 @@
 in float64 with the reference backend under `multihead.trace`, its steps kept by stage.
 
     >>> import torch, torch.nn as nn
-    >>> from multihead.diagnose.anatomy import find_anatomy
-    >>> from multihead.diagnose.reference import reference_steps
+    >>> from multihead.diagnosis.anatomy import find_anatomy
+    >>> from multihead.diagnosis.reference import reference_steps
     >>> a = find_anatomy(nn.MultiheadAttention(8, 2, batch_first=True))
     >>> ref = reference_steps(a, 2, torch.randn(2, 3, 8), None, None, causal=False)
     >>> [key for key in ref.tensors][:4], tuple(ref.tensors["W"].shape)

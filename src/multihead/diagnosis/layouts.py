@@ -1,7 +1,7 @@
 """Does a user's tensor hold a reference step's values, in a layout a correct implementation may use?
 
     >>> import torch
-    >>> from multihead.diagnose.layouts import find_form
+    >>> from multihead.diagnosis.layouts import find_form
     >>> ref = torch.randn(2, 3, 5, 4)                       # (b, h, t, d)
     >>> mine = ref.permute(0, 2, 1, 3)                      # heads last: (b, t, h, d)
     >>> find_form(mine, ref, ("b", "h", "t", "d"), tol=1e-9)

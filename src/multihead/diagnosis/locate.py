@@ -1,7 +1,7 @@
 """Find the first step where a user's forward departs from the definition, and say why.
 
     >>> import torch, torch.nn as nn
-    >>> from multihead.diagnose import diagnose
+    >>> from multihead.diagnosis import diagnose
     >>> class NoTranspose(nn.Module):                       # heads viewed without a transpose
     ...     def __init__(self):
     ...         super().__init__()

@@ -1,6 +1,6 @@
 """Load the module a command line names: ``FILE.py:Name``, with ``NAME=VALUE`` arguments.
 
-    >>> from multihead.diagnose.load import parse_assignments
+    >>> from multihead.diagnosis.load import parse_assignments
     >>> parse_assignments(["d_model=64", "name='x'", "causal=True"], "--init")
     {'d_model': 64, 'name': 'x', 'causal': True}
 

@@ -1,12 +1,12 @@
-"""``multihead.diagnose``: find the first wrong step of your own multi-head attention module.
+"""``multihead.diagnosis``: find the first wrong step of your own multi-head attention module.
 
     >>> import torch.nn as nn, multihead
     >>> d = multihead.diagnose(nn.MultiheadAttention(8, 2, batch_first=True))
     >>> d.status
     'matches'
 
-The package is callable (``multihead.diagnose(module, x=None, ...)`` is :func:`.run.diagnose`)
-and is imported on first use. Its rooms, in the order the work flows: :mod:`.anatomy` (the
+The verb is :func:`multihead.diagnose` (:func:`.run.diagnose`, imported on first use); this
+package, the noun, holds the work. Its rooms, in the order the work flows: :mod:`.anatomy` (the
 projections, head count and call of the module), :mod:`.probes` (inputs that make bugs
 visible), :mod:`.record` (every tensor the forward makes, with its line), :mod:`.reference`
 (the definition, traced, by stage), :mod:`.layouts` (the layouts a correct step may have),
@@ -16,10 +16,6 @@ bound), :mod:`.words` (en/zh) and :mod:`.render` (text, JSON, HTML).
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
-
 from .anatomy import MAX_PARAMETERS, NotAttention
 from .locate import Finding
 from .run import diagnose
@@ -27,12 +23,3 @@ from .verdict import Convention, Diagnosis
 
 __all__ = ["diagnose", "Diagnosis", "Finding", "Convention", "NotAttention", "MAX_PARAMETERS"]
 
-
-class _DiagnosePackage(types.ModuleType):
-    """The ``multihead.diagnose`` package, callable as :func:`.run.diagnose`."""
-
-    def __call__(self, module: Any, x: Any = None, **options: Any) -> Diagnosis:
-        return diagnose(module, x, **options)
-
-
-sys.modules[__name__].__class__ = _DiagnosePackage

@@ -1,7 +1,7 @@
 """Probe inputs chosen to make bugs visible, and the ways a mask argument may be passed.
 
     >>> import torch
-    >>> from multihead.diagnose.probes import make_probes
+    >>> from multihead.diagnosis.probes import make_probes
     >>> [(p.name, tuple(p.query.shape), p.key is None, p.keep is None)
     ...  for p in make_probes(8, 8, torch.float32, "cpu", cross=True, mask=True, causal=False)]
     [('self', (2, 5, 8), True, True), ('cross', (2, 5, 8), False, True), ('mask', (2, 5, 8), True, False)]

@@ -1,7 +1,7 @@
 """What a user's attention module is made of: its projections, its head count and how to call it.
 
     >>> import torch.nn as nn
-    >>> from multihead.diagnose.anatomy import find_anatomy
+    >>> from multihead.diagnosis.anatomy import find_anatomy
     >>> a = find_anatomy(nn.MultiheadAttention(12, 3, batch_first=True))
     >>> a.num_heads, a.batch_first, a.wq.shape, a.call.mask
     (3, True, torch.Size([12, 12]), 'attn_mask')

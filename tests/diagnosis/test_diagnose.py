@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import diagnose_corpus as corpus
-from multihead.diagnose import diagnose
+from multihead.diagnosis import diagnose
 
 
 def _quiet(module):

@@ -1,7 +1,7 @@
 """Record every tensor a user's forward produces, with the source line that made it.
 
     >>> import torch
-    >>> from multihead.diagnose.record import Recorder
+    >>> from multihead.diagnosis.record import Recorder
     >>> x = torch.ones(2, 3)
     >>> with Recorder({id(x): "input query"}) as rec:
     ...     y = (x * 2).transpose(0, 1)
