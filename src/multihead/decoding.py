@@ -148,7 +148,7 @@ class StackedQKV(NamedTuple):
         if self.weight.is_meta:  # meta tensors cannot say where they are (and compute nothing)
             return False
         q_ps, k_ps, v_ps = q._parameters, k._parameters, v._parameters
-        # unrolled: every one-row call asks this (six is_set_to, ~0.5 us each, are its cost)
+        # unrolled: every one-row call asks this (its six is_set_to calls are its cost)
         wq, wk, wv = q_ps.get("weight"), k_ps.get("weight"), v_ps.get("weight")
         if wq is None or wk is None or wv is None \
                 or not (wq.is_set_to(rows[0]) and wk.is_set_to(rows[1]) and wv.is_set_to(rows[2])):
@@ -181,7 +181,7 @@ def linear(lin: nn.Module, x: torch.Tensor, is_plain: bool) -> torch.Tensor:
     ``F.linear(x, lin.weight, lin.bias)``, called directly: the same op on the same current
     weights, without nn.Module's per-call dispatch. Anything else is called as a module."""
     if is_plain:
-        ps = lin._parameters  # what lin.weight, lin.bias read, without nn.Module.__getattr__ (~1 us each)
+        ps = lin._parameters  # what lin.weight, lin.bias read, without nn.Module.__getattr__ (a Python call each)
         w = ps.get("weight")
         if w is not None and "bias" in ps:
             return F.linear(x, w, ps["bias"])
