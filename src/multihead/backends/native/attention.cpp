@@ -518,8 +518,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "native attention: H must be a multiple of Hkv");
   TORCH_CHECK(block_q > 0 && block_k > 0, "native attention: blocks must be positive");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
-  auto out = at::zeros({B, H, Lq, Dv}, q.options().dtype(at::kFloat));
-  auto lse = at::full({B, H, Lq}, -std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat));
+  // every row of out and lse is written by the work item that owns it
+  auto out = at::empty({B, H, Lq, Dv}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
   int64_t tiles = 0;
   if (B * H * Lq == 0) return {out, lse, at::scalar_tensor(tiles, at::kLong)};
   MaskView m = make_mask(scale, intervals, keep, biases, slopes, diag, softcap, Lq);
