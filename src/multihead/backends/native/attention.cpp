@@ -3,8 +3,9 @@
 // Products by at::native::cpublas::brgemm: bfloat16/float16 operands into float32 scores where
 // the CPU packs them (AMX, AVX512-BF16: could_pack), float32 operands otherwise (a bfloat16 or
 // float16 number is exact in float32, so the scores are the same float32 sums of exact products).
-// Softmax, row sums and the accumulation of p v in float32 (ATen's Vectorized<float>); p is
-// rounded to the operand type for the p v product, as flash kernels do.
+// Softmax, row sums and the accumulation of p v in float32: per row one max pass and one fused
+// pass of base-2 exponentials (AVX-512 polynomial exp2; ATen's Vectorized<float> elsewhere), row
+// sum and p stored as the operand type, rounded for the p v product as flash kernels do.
 //
 // Work: at::parallel_for over (batch, query head, query block); each output row is computed by one
 // thread in a fixed key-block order, so the results are the same bits at every thread count. K and
