@@ -21,12 +21,15 @@ add time) and the ratio is formed from those. GFLOP/s count the useful work only
 visible (query, key) pair. The matmul rate of the same run is printed for scale.
 
 * issue 22's rows (``--issue22``): the native kernel vs SDPA and the torch tiles, side by side in
-  rounds whose ratios are reported as median (range): causal forward at L=4096 with D=64 and
-  128 in float32 and bfloat16, causal forward+backward, 8 packed documents x 1024 fwd+bwd vs SDPA
-  called once per document, window(512) vs SDPA's dense mask, and the bfloat16 causal forward's
-  share of the bf16 matmul rate measured in the same run; the CPU model and features are printed.
+  rounds whose ratios are reported as median (range), each with its target and pass/FAIL:
+  causal forward at L=4096 with D=64 (float32, bfloat16) and D=128 (float32, bfloat16, float16),
+  causal forward+backward, 8 packed documents x 1024 fwd+bwd vs SDPA called once per document,
+  window(512) at L=8192 and 16384 vs SDPA's dense mask, the bfloat16 causal forward's share of
+  the bf16 matmul rate measured in the same run, and (``--no-memory`` skips it;
+  ``--issue22-memory`` runs only it) the peak extra memory of a causal forward+backward at
+  L=32768 in a fresh process; the CPU model and features are printed.
 
-``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13] [--issue22]``;
+``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13] [--issue22] [--issue22-memory]``;
 ``main(quick=...)`` returns the markdown report (for ``python -m benchmarks``).
 """
 
@@ -297,28 +300,41 @@ def bf16_matmul_gflops(n: int = 2048) -> float:
     return 2 * n ** 3 / min(_time_once(lambda: a @ b) for _ in range(5)) / 1e9
 
 
-def issue22_report(rounds: int) -> list[str]:
+def _verdict(value: float, target: float, at_most: bool) -> str:
+    ok = value <= target if at_most else value >= target
+    return "pass" if ok else "FAIL"
+
+
+def issue22_report(rounds: int, memory: bool = True) -> list[str]:
     """Issue 22's targets, side by side in this process: the native kernel vs SDPA (and the
-    torch tiles), per-round ratios as median (range)."""
+    torch tiles), per-round ratios as median (range), each with its target and pass/FAIL (judged
+    on the median); then the bf16 matmul share and, in a fresh process, the memory of a causal
+    forward+backward at L=32768."""
+    flags = sorted(native.cpu_flags() & set(native._VECTOR_FLAGS))
     lines = [f"## issue 22: the native tile kernel vs SDPA (B=1, H=8; {_h.cpu_model()})", "",
+             f"CPU features: {', '.join(flags) or 'baseline x86-64'}", "",
              f"{native.status()}", "", f"bf16 matmul (2048³, torch.mm) in this run: {bf16_matmul_gflops():.0f} GFLOP/s; "
              f"fp32: {matmul_gflops():.0f} GFLOP/s", "",
-             "| case | L | native s | SDPA s | native / SDPA, median (range) | torch tiles / SDPA | native GFLOP/s |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | L | native s | SDPA s | native / SDPA, median (range) | target | verdict | torch tiles / SDPA "
+             "| native GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
-    def row(case, L, res, flops, tiles=True):
+    def row(case, L, res, flops, target):
         n_s, n_r = res["native"]
         s_s, _ = res["sdpa"]
         t = _span(res["tiles"][1]) if "tiles" in res else "—"
-        line = f"| {case} | {L} | {n_s:.3f} | {s_s:.3f} | {_span(n_r)} | {t} | {flops / n_s / 1e9:.0f} |"
+        median = sorted(n_r)[len(n_r) // 2]
+        verdict = _verdict(median, target, at_most=True)
+        line = (f"| {case} | {L} | {n_s:.3f} | {s_s:.3f} | {_span(n_r)} | <= {target:.2f} | {verdict} | {t} "
+                f"| {flops / n_s / 1e9:.0f} |")
         print(line, flush=True)
         lines.append(line)
         return flops / n_s / 1e9
 
     g = torch.Generator().manual_seed(0)
     bf16_rate = None
-    for d in (64, 128):
-        for dtype in (torch.float32, torch.bfloat16):
+    for d, dtypes in ((64, (torch.float32, torch.bfloat16)), (128, (torch.float32, torch.bfloat16, torch.float16))):
+        for dtype in dtypes:
             q, k, v = (torch.randn(B, H, 4096, d, generator=g).to(dtype) for _ in range(3))
             cands = {"native": _kernel("native", lambda: chunked_attention(q, k, v, masks.causal())),
                      "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
@@ -327,7 +343,7 @@ def issue22_report(rounds: int) -> list[str]:
             with torch.no_grad():
                 res = paired_rounds(cands, "sdpa", rounds)
             rate = row(f"causal forward, D={d}, {str(dtype)[6:]}", 4096, res,
-                       _h.attention_flops(B, H, 4096, 4096, d, causal=True))
+                       _h.attention_flops(B, H, 4096, 4096, d, causal=True), 1.0)
             if dtype == torch.bfloat16 and d == 64:
                 bf16_rate = rate
     for dtype in (torch.float32, torch.bfloat16):
@@ -340,8 +356,8 @@ def issue22_report(rounds: int) -> list[str]:
         res = paired_rounds({"native": _kernel("native", step(lambda: chunked_attention(q, k, v, masks.causal()))),
                              "sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))},
                             "sdpa", rounds)
-        row(f"causal forward+backward (native forward, torch-tiles backward), {str(dtype)[6:]}", 4096, res,
-            3 * _h.attention_flops(B, H, 4096, 4096, 64, causal=True))
+        row(f"causal forward+backward, {str(dtype)[6:]}", 4096, res,
+            3 * _h.attention_flops(B, H, 4096, 4096, 64, causal=True), 1.0)
     L = DOCS * DOC_LEN
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(B, H, L, 64, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
@@ -357,18 +373,26 @@ def issue22_report(rounds: int) -> list[str]:
                                                                                       (q, k, v), grad)),
                              "sdpa": lambda: torch.autograd.grad(per_document(), (q, k, v), grad)}, "sdpa", rounds)
         row(f"packed {DOCS}x{DOC_LEN} causal fwd+bwd vs SDPA once per document, {str(dtype)[6:]}", L, res,
-            3 * DOCS * _h.attention_flops(B, H, DOC_LEN, DOC_LEN, 64, causal=True))
-    L = 8192
-    q, k, v = (torch.randn(B, H, L, 64, generator=g) for _ in range(3))
-    keep = masks.window(WINDOW).materialize((B, H, L, L), device=q.device, dtype=q.dtype).keep
-    with torch.no_grad():
-        res = paired_rounds({"native": _kernel("native", lambda: chunked_attention(q, k, v, masks.window(WINDOW))),
-                             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)}, "sdpa", rounds)
-    row(f"window({WINDOW}) forward vs SDPA with the dense mask, float32", L, res,
-        4.0 * B * H * visible_pairs("window", L) * 64)
+            3 * DOCS * _h.attention_flops(B, H, DOC_LEN, DOC_LEN, 64, causal=True), 1 / 1.3)
+    for L in (8192, 16384):
+        q, k, v = (torch.randn(B, H, L, 64, generator=g) for _ in range(3))
+        keep = masks.window(WINDOW).materialize((B, H, L, L), device=q.device, dtype=q.dtype).keep
+        with torch.no_grad():
+            res = paired_rounds({"native": _kernel("native", lambda: chunked_attention(q, k, v, masks.window(WINDOW))),
+                                 "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)},
+                                "sdpa", rounds)
+        row(f"window({WINDOW}) forward vs SDPA with the dense mask, float32", L, res,
+            4.0 * B * H * visible_pairs("window", L) * 64, 1 / 5)
+        del keep, res
     if bf16_rate is not None:
         share = bf16_rate / bf16_matmul_gflops()
-        lines += ["", f"bfloat16 causal forward (D=64) at {100 * share:.0f}% of this run's bf16 matmul rate."]
+        lines += ["", f"bfloat16 causal forward (D=64) at {100 * share:.0f}% of this run's bf16 matmul rate "
+                      f"(target >= 45%: {_verdict(share, 0.45, at_most=False)})."]
+    if memory:
+        L = 32768
+        extra = peak_extra_bytes("causal-chunked+backward", L)
+        lines += ["", f"causal forward+backward at L={L} (B=1, H=8, D=64, float32, fresh process): peak extra "
+                      f"memory {extra / 2 ** 20:.0f} MiB (target < 1024 MiB: {_verdict(extra, GiB, at_most=True)})."]
     return lines
 
 
@@ -393,7 +417,9 @@ def _child(which: str, L: int) -> dict:
     backward = which.endswith("+backward")
     q, k, v = _inputs(L, grad=backward)
     before = _rss_bytes()  # the dense mask SDPA needs is counted: building it is part of the call
-    if which.startswith("packed-chunked"):
+    if which.startswith("causal-chunked"):
+        out = chunked_attention(q, k, v, masks.causal())
+    elif which.startswith("packed-chunked"):
         out = chunked_attention(q, k, v, masks.from_seqlens([L // DOCS] * DOCS) & masks.causal())
     elif which.startswith("packed-sdpa"):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_mask(L)[1])
@@ -425,6 +451,7 @@ def main(argv=None, *, quick: bool = False) -> str:
     p.add_argument("--only-memory", action="store_true")
     p.add_argument("--issue13", action="store_true", help="only issue 13's rows (causal fp32/bf16 at 4096, packed)")
     p.add_argument("--issue22", action="store_true", help="only issue 22's rows: the native kernel vs SDPA")
+    p.add_argument("--issue22-memory", action="store_true", help="only issue 22's memory target (L=32768)")
     args = p.parse_args([] if argv is None else argv)
     quick = quick or args.quick
     L = args.length or (8192 if quick else 32768)
@@ -433,8 +460,13 @@ def main(argv=None, *, quick: bool = False) -> str:
     head = (f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} cores, load average "
             f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; fp32 matmul {matmul_gflops():.1f} GFLOP/s")
     print(head, flush=True)
+    if args.issue22_memory:
+        extra = peak_extra_bytes("causal-chunked+backward", 32768)
+        report = f"causal forward+backward at L=32768: peak extra memory {extra / 2 ** 20:.0f} MiB"
+        print(report)
+        return report
     if args.issue22:
-        report = "\n".join([head, ""] + issue22_report(rounds))
+        report = "\n".join([head, ""] + issue22_report(rounds, memory=not args.no_memory))
         print(report)
         return report
     if args.issue13:

@@ -44,10 +44,10 @@ BLOCK_ROWS = 256
 #: default keys per key block
 BLOCK_K = 256
 #: the native kernel's default tile, one head's queries x keys (when the caller gives no block
-#: sizes; given ones are used by both kernels): each brgemm call gets more keys, and fewer
-#: query rows keep a tile's scores in a nearer cache (side by side in docs/benchmarks.md)
-NATIVE_BLOCK_Q = 128
-NATIVE_BLOCK_K = 512
+#: sizes; given ones are used by both kernels): 256 x 256 led a side-by-side sweep of
+#: 128-512 x 128-1024 in every dtype and head dim of issue 22's causal rows (docs/benchmarks.md)
+NATIVE_BLOCK_Q = 256
+NATIVE_BLOCK_K = 256
 #: ``backend="auto"`` declines the chunked backend when Lq·Lk is below this: SDPA's fused
 #: kernel is faster there and the dense mask it may need is small.
 AUTO_MIN_SCORES = 2048 * 2048
