@@ -273,6 +273,33 @@ class Tiles:
         _native.CALLS["forward"] += 1
         return out, lse
 
+    def native_backward_why(self, wanted: Sequence[bool]) -> Optional[str]:
+        """Why the native kernel cannot run this call's backward (None: it can), ``wanted`` saying
+        which bias tensors need a gradient: the forward's reasons (:attr:`native_plan`), or a bias
+        gradient broadcast over both the queries and the keys (no pass owns its sums)."""
+        args, why = self.native_plan
+        if args is None:
+            return why
+        for b, w in zip(self.biases, wanted):
+            if w and b.dim() == 4 and b.shape[2] == 1 != self.Lq and b.shape[3] == 1 != self.Lk:
+                return "a bias broadcast over the queries and the keys needs a gradient (the torch tiles form it)"
+        return None
+
+    def native_backward(self, args: dict, out, lse, g_out, g_lse, wanted: Sequence[bool]):
+        """``(dq (B, H, Lq, D), dk, dv (B, Hkv, Lk, D|Dv), dbiases)`` in float32 by the native kernel
+        from out (B, H, Lq, Dv) and lse (B, H, Lq) and their gradients (g_lse may be None);
+        ``dbiases`` has a gradient per bias tensor that ``wanted`` one, None elsewhere."""
+        q, k, v = self.inputs
+        dbiases = [torch.zeros(b.shape, dtype=torch.float32) if w else torch.empty(0) for b, w in zip(self.biases, wanted)]
+        dq, dk, dv, tiles = _native.module().backward(
+            q.detach(), k.detach(), v.detach(), out.to(torch.float32), lse.to(torch.float32).contiguous(),
+            g_out.to(torch.float32), None if g_lse is None else g_lse.to(torch.float32).contiguous(),
+            float(self.scale), args["intervals"], args["keep"], args["biases"], dbiases, args["slopes"], args["diag"],
+            args["softcap"], *self.native_blocks, args["half"])
+        BLOCKS_COMPUTED["backward"] += int(tiles)
+        _native.CALLS["backward"] += 1
+        return dq, dk, dv, [d if w else None for d, w in zip(dbiases, wanted)]
+
     # -- layout: (B, H, Lq, X) <-> (N, Lq·G, X)
     def group_rows(self, t: torch.Tensor) -> torch.Tensor:
         B, H, L, X = t.shape
@@ -594,8 +621,19 @@ class _TiledAttention(torch.autograd.Function):
         # objects, not the saved copies)
         captured = _mod_tensors(ctx.mods)
         wanted = [i for i in range(len(mod_tensors)) if ctx.needs_input_grad[7 + ctx.n_biases + i]]
+        wanted_biases = [ctx.needs_input_grad[7 + i] for i in range(ctx.n_biases)]
         with torch.no_grad(), outside_autocast(q.device.type), contextlib.ExitStack() as reading:
             tiles = Tiles(q, k, v, ctx.rest, tuple(biases), ctx.mods, **ctx.options)
+            if not wanted and tiles.native_backward_why(wanted_biases) is None:
+                args = tiles.native_plan[0]
+                dq, dk, dv, dbiases = tiles.native_backward(args, tiles.ungroup_rows(out), tiles.ungroup_lse(lse),
+                                                            g_out, g_lse, wanted_biases)
+                grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+                grads += [None if db is None else db.to(b.dtype) for b, db in zip(biases, dbiases)]
+                grads += [None] * len(mod_tensors)
+                if create_graph:
+                    grads = _NotTwice.wrap(grads, (q, k, v, *tensors))
+                return (grads[0], grads[1], grads[2], None, None, None, None, *grads[3:])
             g_out = tiles.group_rows(g_out.to(tiles.cdt))
             if g_lse is not None:
                 g_lse = tiles.group_lse(g_lse.to(tiles.cdt))

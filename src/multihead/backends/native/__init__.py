@@ -51,14 +51,15 @@ import torch
 
 __all__ = ["ENABLED", "CALLS", "module", "status", "why_not", "cpu_flags", "half_products"]
 
-#: forward passes the native kernel ran (under "forward"); chunked's trace reads which kernel ran
+#: passes the native kernel ran (under "forward" and "backward"); chunked's trace reads which kernel ran
 CALLS: Counter[str] = Counter()
 
 #: use the native kernel where it can run: None (default) reads ``MULTIHEAD_NATIVE`` (unset: yes),
 #: True or False override it (the tests flip it to run both implementations)
 ENABLED: Optional[bool] = None
 
-_SOURCE = Path(__file__).with_name("attention.cpp")
+#: the kernel's sources: the forward (and the module's bindings), the backward, what they share
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("attention.cpp", "backward.cpp", "common.h"))
 #: /proc/cpuinfo flags that the compiled code may use (-march=native) or whose presence changes it
 _VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                  "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "avx_vnni")
@@ -101,7 +102,8 @@ def _cflags() -> list[str]:
 
 def _key() -> str:
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_cflags()).encode())
     h.update(" ".join(sorted(cpu_flags() & set(_VECTOR_FLAGS))).encode())
@@ -151,7 +153,7 @@ def _build(final: Path, name: str) -> Any:
         os.environ["PATH"] = extra + os.pathsep + path_before
     try:
         ldflags = ["-fsanitize=address,undefined"] if _sanitize() else []
-        mod = cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(tmp),
+        mod = cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"], build_directory=str(tmp),
                                  extra_cflags=_cflags(), extra_ldflags=ldflags, verbose=False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
