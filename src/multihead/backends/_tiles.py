@@ -78,8 +78,9 @@ thread is made single-threaded with the per-thread calls of OpenMP and MKL, not 
 not possible, or where a Python dispatch mode or a tensor subclass is in play, everything runs
 in the calling thread, panel after panel (:data:`THREADS` = False forces it; so does a score
 mod with tensors to differentiate, in the backward). Either way the order of every sum is fixed
-(the backward adds the threads' dK, dV in thread order), so results are bit-identical from run to
-run at a given thread count, the caller's ``no_grad`` and ``inference_mode`` hold, and no other
+(the backward sums dK, dV in :data:`BACKWARD_LANES` lanes of query blocks, a number that does not
+depend on the threads, and adds the lanes in order), so results are the same bits from run to run
+and at every thread count, the caller's ``no_grad`` and ``inference_mode`` hold, and no other
 thread's settings change. Grouped-query attention reads K/V once per kv head: q is viewed as
 (B·Hkv, Lq·G, D) with the G query heads of one kv head side by side, so no repeated K/V is built.
 On the ``meta`` device the data-dependent branches (redo, unset rows) are skipped: they change
@@ -118,6 +119,10 @@ PANEL_SCORES = 2 ** 21
 #: calling thread, each op using torch's intra-op threads
 THREADS = True
 
+#: the backward's dK, dV are summed in this many lanes of query blocks (each its own partial sums,
+#: added in lane order), whatever the thread count, so that they are the same bits at every thread
+#: count; it bounds the threads of the torch tiles' backward and costs as many dK, dV partials
+BACKWARD_LANES = 8
 #: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
 #: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
 #: "skipped" (reset it with ``.clear()``); the native kernel's passes are counted in ``native.CALLS``
@@ -508,15 +513,23 @@ class Tiles:
         row_lse = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
         if self.base2:
             row_lse = row_lse * LOG2E
-        # a bias or mod-tensor gradient may be shared by all query blocks: one worker
+        # a bias or mod-tensor gradient may be shared by all query blocks: one lane, in the
+        # calling thread; otherwise the query blocks are dealt to BACKWARD_LANES lanes, a number
+        # that does not depend on the threads, each lane with its own dK, dV partial sums, added
+        # in lane order: the same bits at every thread count
         one = any(db is not None for db in dbiases) or bool(mod_inputs)
-        workers = 1 if one else _workers(len(self.blocks), q, k, g_out)
-        plans = self.plans(workers)
+        if one:
+            plans = self.plans(1)
+        else:
+            lanes = min(BACKWARD_LANES, len(self.blocks))
+            plans = [_plan([b for i, b in enumerate(self.blocks) if _worker_of(i, lanes) == lane], self.Lk,
+                           self.rest, self.block_k, self.mask_shape, self.block_q, q.device) for lane in range(lanes)]
+        workers = 1 if one else _workers(len(plans), q, k, g_out)
         partials = [(dk, dv)] + [(torch.zeros_like(dk), torch.zeros_like(dv)) for _ in plans[1:]]
 
-        def work(w):  # dq: disjoint rows; dk, dv: the worker's own partial sums
-            pdk, pdv = partials[w]
-            for k0, k1, r0, r1, a0, whole, _ in plans[w]:
+        def lane_work(lane):  # dq: disjoint rows; dk, dv: the lane's own partial sums
+            pdk, pdv = partials[lane]
+            for k0, k1, r0, r1, a0, whole, _ in plans[lane]:
                 rows = slice(r0 * G, r1 * G)
                 if self.mods:
                     p, back = self._modded_probabilities(row_lse[:, rows], r0, r1, a0, k0, k1, whole, mod_inputs)
@@ -538,8 +551,12 @@ class Tiles:
                     if db is not None:
                         _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
 
-        _share(work, len(plans))
-        for pdk, pdv in partials[1:]:  # in worker order, whichever finished first
+        def work(w):  # worker w takes lanes w, w + workers, ...
+            for lane in range(w, len(plans), workers):
+                lane_work(lane)
+
+        _share(work, workers)
+        for pdk, pdv in partials[1:]:  # in lane order, whichever finished first
             dk.add_(pdk)
             dv.add_(pdv)
         BLOCKS_COMPUTED["backward"] += sum(p[-1] for plan in plans for p in plan)
@@ -688,14 +705,18 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
 
 
 def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
-    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...)" or
-    "torch tiles (why not native)"; for ``explain_dispatch``. Arguments as for :func:`attend`."""
+    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...); backward:
+    native kernel" (or "; backward: torch tiles (why)") or "torch tiles (why not native)"; for
+    ``explain_dispatch``. Arguments as for :func:`attend`."""
     rest, biases = split_additive(mask, mask_shape)
     groups = q.shape[1] // k.shape[1]
     tiles = Tiles(q, k, v, rest, biases, mask.score_mods if mask is not None else (), scale=scale,
                   block_q=max(1, 256 // groups), block_k=256, mask_shape=mask_shape)
     args, why = tiles.native_plan
-    return _native.status() if args is not None else f"torch tiles ({why})"
+    if args is None:
+        return f"torch tiles ({why})"
+    backward = tiles.native_backward_why([b.requires_grad for b in biases])
+    return _native.status() + ("; backward: native kernel" if backward is None else f"; backward: torch tiles ({backward})")
 
 
 def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:
