@@ -214,7 +214,7 @@ def test_float64_keeps_the_torch_tiles_and_passes_gradcheck():
 
 def test_explain_dispatch_names_the_backward_kernel(monkeypatch):
     """The backward runs natively, or on the torch tiles where a bias broadcast over both the
-    queries and the keys needs a gradient, and explain_dispatch says which."""
+    queries and the keys needs a gradient, and explain_dispatch and the trace say which."""
     monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
     q, k, v, _ = _inputs(torch.float32, 8, 8)
     with tile_kernel_as("native"):
@@ -227,6 +227,14 @@ def test_explain_dispatch_names_the_backward_kernel(monkeypatch):
         out = chunked_attention(*leaves, masks.causal() & masks.bias(scalar))
         out.sum().backward()
         assert native.CALLS["backward"] == before and scalar.grad is not None
+        for mask, kernel in ((masks.causal(), "native"), (masks.causal() & masks.bias(scalar), "torch tiles")):
+            with multihead.trace() as t:
+                multihead.attention(*leaves, mask, backend="chunked")
+            assert t.steps[0].params["backward_kernel"] == kernel
+            assert f"backward by the {kernel} kernel" in t.steps[0].note
+        with multihead.trace() as t, torch.no_grad():
+            multihead.attention(q, k, v, masks.causal(), backend="chunked")
+        assert t.steps[0].params["backward_kernel"] is None and "backward" not in t.steps[0].note
 
 
 def test_bf16_causal_passes_the_float32_scores_rule():

@@ -59,7 +59,10 @@ p = exp2(s·log2(e) - lse·log2(e)), and dK, formed from the log2(e)-scaled q, i
 ln 2 once). With score mods, each tile's mods are recomputed under autograd and dS is carried
 back through them with ``torch.autograd.grad``, which also gives the gradients of the tensors
 the mods read (``part.tensors``, inputs of the autograd function, e.g. a learned bias table a
-score_mod indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
+score_mod indexes). The sink logits are differentiable through the lse. Where the native kernel's plan holds
+(:attr:`Tiles.native_plan`) and no bias broadcast over both the queries and the keys needs a
+gradient, the native kernel runs the backward (:meth:`Tiles.native_backward`: the same
+recomputation in two passes that each own their sums). The kernel is not differentiable
 itself: a double backward raises a clear error (use ``backend="reference"``).
 
 Precision: the tiles compute in the compute dtype (float32 for float16/bfloat16 inputs, which
@@ -708,15 +711,25 @@ def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> st
     """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...); backward:
     native kernel" (or "; backward: torch tiles (why)") or "torch tiles (why not native)"; for
     ``explain_dispatch``. Arguments as for :func:`attend`."""
+    forward, backward = _kernels(q, k, v, mask, scale=scale, mask_shape=mask_shape)
+    if forward is not None:
+        return f"torch tiles ({forward})"
+    return _native.status() + ("; backward: native kernel" if backward is None else f"; backward: torch tiles ({backward})")
+
+
+def backward_kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
+    """"native" or "torch tiles": the kernel that runs this call's backward (for the trace)."""
+    return "torch tiles" if _kernels(q, k, v, mask, scale=scale, mask_shape=mask_shape)[1] else "native"
+
+
+def _kernels(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> tuple[Optional[str], Optional[str]]:
+    """Why the native kernel does not run this call's forward and its backward (None: it does)."""
     rest, biases = split_additive(mask, mask_shape)
     groups = q.shape[1] // k.shape[1]
     tiles = Tiles(q, k, v, rest, biases, mask.score_mods if mask is not None else (), scale=scale,
                   block_q=max(1, 256 // groups), block_k=256, mask_shape=mask_shape)
-    args, why = tiles.native_plan
-    if args is None:
-        return f"torch tiles ({why})"
-    backward = tiles.native_backward_why([b.requires_grad for b in biases])
-    return _native.status() + ("; backward: native kernel" if backward is None else f"; backward: torch tiles ({backward})")
+    return tiles.native_plan[1] if tiles.native_plan[0] is None else None, \
+        tiles.native_backward_why([b.requires_grad for b in biases])
 
 
 def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:

@@ -5,17 +5,22 @@
 True
 
 The torch tiles (:mod:`multihead.backends._tiles`) are the readable algorithm and the oracle; this
-package is the same online softmax in C++ (``attention.cpp``): bfloat16/float16 operands into
+package is the same online softmax in C++ (``attention.cpp``, its backward ``backward.cpp``, what
+they share ``common.h``): bfloat16/float16 operands into
 float32 scores through ATen's ``at::native::cpublas::brgemm`` (AMX or AVX512-BF16 where the CPU
 has them), the exponentials and row sums with ATen's ``Vectorized<float>``, the work shared by
 ``at::parallel_for`` over (batch, query head, query block), every output row computed by one
-thread in a fixed order (the same bits at every thread count). It reads the mask as
+thread in a fixed order (the same bits at every thread count). The backward recomputes the tiles
+in two passes, one owning each key block's dK and dV, one each query block's dQ, so that every
+sum has one owner and a fixed order (no atomics; the same bits at every thread count); it forms
+the gradients of bias tensors too, but for one broadcast over both the queries and the keys
+(the torch tiles form it). It reads the mask as
 :attr:`Tiles.native_plan <multihead.backends._tiles.Tiles.native_plan>` gives it: the
 structural parts' per-row key intervals, key padding, bias tensors, ALiBi and softcap; anything
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 
-Build: :func:`module` compiles ``attention.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
-machine's C++ compiler, ``-O3 -march=native``) into a cache directory named after the source's
+Build: :func:`module` compiles ``attention.cpp`` and ``backward.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
+machine's C++ compiler, ``-O3 -march=native``) into a cache directory named after the sources'
 hash, the torch version, the compile flags and the CPU's feature flags, so a kernel built for
 another CPU or torch is never loaded (another CPU gets a directory of its own and a build). A
 build is made in a fresh temporary directory and renamed into place only when complete, so an
