@@ -5,11 +5,14 @@
 //   p = exp(s - lse), dV += pᵀ dO, dP = dO vᵀ, dS = p ⊙ (dP - delta) · softcap'(s),
 //   dQ += dS k · scale, dK += dSᵀ q · scale, d(bias) += dS,   delta = rowsum(dO ⊙ out) - g_lse.
 //
-// Deterministic at every thread count, without atomics: two passes, each output element owned
-// by one work item that adds its terms in a fixed order. The key pass: one item per (batch, kv
-// head, key block) forms that block's dK and dV over its G query heads and the query blocks in
-// order; the query pass: one item per (batch, query head, query block) forms dQ over the key
-// blocks in order. s and dP are computed in both (the price of owning every sum). A bias
+// Deterministic at every thread count, without atomics: every output element is owned by one work
+// item that adds its terms in a fixed order. The key pass: an item per (batch, kv head, lane of key
+// blocks) forms each of its key blocks' dK and dV over the G query heads and the query blocks in
+// order, and adds the tiles' dQ terms into the lane's own dQ (the lanes' dQ added in lane order at
+// the end; a fixed number of lanes, kLanes, whatever the thread count). With bias gradients the
+// key pass takes one key block per item and dQ has a pass of its own (the query pass: one item
+// per (batch, query head, query block), over the key blocks in order; s and dP computed again),
+// which owns the bias rows. A
 // gradient is formed where its rows are owned: one with the query axis in the query pass, one
 // broadcast over the queries in the key pass; where it is also broadcast over the batch or the
 // heads, an item takes one block of every (batch, head) in order, so one item still owns each
@@ -29,6 +32,9 @@
 using namespace multihead_native;
 
 namespace {
+
+// the lanes of key blocks whose dQ terms are summed apart (see backward_impl)
+constexpr int64_t kLanes = 4;
 
 // a bias gradient to form: float32 (Bb, Hb, Lqb, Lkb), each axis 1 or full
 struct BiasGrad {
@@ -208,17 +214,35 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   float* dkd = dk.data_ptr<float>();  // (B, Hkv, Lk, D)
   float* dvd = dv.data_ptr<float>();  // (B, Hkv, Lk, Dv)
 
-  // the key pass: dK and dV of one key block of (b, kv head), or of every (b, kv head) (coarse)
-  const int64_t kitems = keys_coarse ? nkb : B * Hkv * nkb;
+  // without bias gradients the key pass forms dQ too (no query pass, whose s and dP are the key
+  // pass's again): each item takes the key blocks of one of `lanes` lanes (dealt back and forth)
+  // and adds its dQ terms, key block after key block, into that lane's dQ; the lanes are added in
+  // order at the end. The number of lanes follows the shape alone, never the thread count.
+  const bool fused = dbias.empty();
+  const int64_t lanes = fused ? std::min(kLanes, nkb) : 1, dqsize = B * H * Lq * D;
+  std::vector<float> dqlanes(fused ? (lanes - 1) * dqsize : 0, 0.f);
+  auto lane_of = [&](int64_t kb) {
+    const int64_t turn = kb / lanes, place = kb % lanes;
+    return turn % 2 == 0 ? place : lanes - 1 - place;
+  };
+
+  // the key pass: dK and dV of one key block of (b, kv head), or of every (b, kv head) (coarse),
+  // or (fused) of one lane's key blocks of (b, kv head), with their dQ terms
+  const int64_t kitems = fused ? B * Hkv * lanes : keys_coarse ? nkb : B * Hkv * nkb;
   share(is_half<T>(), [&](std::atomic<int64_t>& next) {
     std::vector<float> sbuf(bq * bk), dpbuf(bq * bk), kacc(bk * D), vacc(bk * Dv);
-    std::vector<T> pt(bk * bqe), dst(bk * bqe);
+    std::vector<T> pt(bk * bqe), dst(bk * bqe), ds(fused ? bq * bke : 0);
     std::vector<uint8_t> vis(bk);
     std::vector<int> state(bq);
     for (int64_t w = next.fetch_add(1); w < kitems; w = next.fetch_add(1)) {
-      const int64_t kb = keys_coarse ? w : w / (B * Hkv);
-      const int64_t pairs0 = keys_coarse ? 0 : w % (B * Hkv), pairs1 = keys_coarse ? B * Hkv : pairs0 + 1;
-      const int64_t k0 = kb * bk, n = std::min(bk, Lk - k0);
+      const int64_t lane = fused ? w % lanes : 0;
+      const int64_t kb0 = fused ? 0 : keys_coarse ? w : w / (B * Hkv), kb1 = fused ? nkb : kb0 + 1;
+      const int64_t pairs0 = fused ? w / lanes : keys_coarse ? 0 : w % (B * Hkv);
+      const int64_t pairs1 = keys_coarse && !fused ? B * Hkv : pairs0 + 1;
+      float* dqbase = lane == 0 ? dqd : dqlanes.data() + (lane - 1) * dqsize;
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+      if (fused && lane_of(kb) != lane) continue;
+      const int64_t k0 = kb * bk, n = std::min(bk, Lk - k0), ne = is_half<T>() ? even(n) : n;
       for (int64_t pair = pairs0; pair < pairs1; ++pair) {
         const int64_t b = pair / Hkv, hk = pair % Hkv, blk = pair * nkb + kb;
         std::fill(kacc.begin(), kacc.end(), 0.f);
@@ -245,6 +269,15 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             }
             gemm_packed<T>(n, Dv, nq, pt.data(), bqe, P.dp.data() + qi * P.dpsize, vacc.data(), Dv, true);
             gemm_packed<T>(n, D, nq, dst.data(), bqe, P.qp.data() + qi * P.qpsize, kacc.data(), D, true);
+            if (fused) {  // this lane's dQ terms of the tile
+              computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
+              for (int64_t r = 0; r < nq; ++r) {
+                T* dr = ds.data() + r * bke;
+                at::vec::convert(dpbuf.data() + r * bk, dr, n);
+                for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
+              }
+              gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, dqbase + row0 * D, D, true);
+            }
             for (const BiasGrad* g : by_keys) {  // (Bb, Hb, 1, Lk|1): the rows summed in order
               float* d = g->d + (g->Bb == 1 ? 0 : b) * g->st.s0 + (g->Hb == 1 ? 0 : h) * g->st.s1;
               for (int64_t r = 0; r < nq; ++r)
@@ -256,8 +289,21 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         for (int64_t t = 0; t < n * D; ++t) kout[t] = kacc[t] * scale;
         std::copy(vacc.begin(), vacc.begin() + n * Dv, vout);
       }
+      }
     }
   });
+  if (fused) {  // dQ = scale · (lane 0 + lane 1 + ...), in lane order
+    at::parallel_for(0, dqsize, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float x = dqd[t];
+        for (int64_t l = 1; l < lanes; ++l) x += dqlanes[(l - 1) * dqsize + t];
+        dqd[t] = x * scale;
+      }
+    });
+    int64_t count = 0;
+    for (int64_t t = 0; t < nqb * nkb; ++t) count += computed[t].load(std::memory_order_relaxed);
+    return count;
+  }
 
   // the query pass: dQ of one query block of (b, head), or of every (b, head) (coarse)
   const int64_t qitems = rows_coarse ? nqb : B * H * nqb;
