@@ -459,7 +459,7 @@ class Tiles:
         part_sum = p.sum(dim=-1, keepdim=True)
         redo = run.careful and _any(part_sum > self.limit)
         if redo:
-            p = self._redo(run, r0, r1, a0, k0, k1, whole)
+            p = self._redo(run, r0, r1, a0, k0, k1, whole, part_sum > self.limit)
             part_sum = p.sum(dim=-1, keepdim=True)
         run.acc[:, rows].add_(self._weighted(p, k0, k1))
         run.total[:, rows].add_(part_sum)
@@ -469,14 +469,16 @@ class Tiles:
         """p V (N, rows, Dv) for the probabilities p (N, rows, bk) of keys k0..k1-1."""
         return torch.bmm(p, self.v[:, k0:k1])
 
-    def _redo(self, run: "_Running", r0, r1, a0, k0, k1, whole) -> torch.Tensor:
-        """The panel's exp(s - shift) again with shift = max(old shift, its row max); rescales
+    def _redo(self, run: "_Running", r0, r1, a0, k0, k1, whole, passed) -> torch.Tensor:
+        """The panel's exp(s - shift) again with shift = max(old shift, its row max) for the rows
+        whose sums ``passed`` the limit (N, rows, 1) (the others keep theirs: which rows change
+        never depends on how blocks were merged into panels, so neither do the bits); rescales
         the rows' ``acc`` and ``total`` to it. A row with no visible key in the panel keeps its
         shift (max with -inf)."""
         rows = slice(r0 * self.G, r1 * self.G)
         old = run.shift[:, rows]
         s = self.scores(None, r0, r1, a0, k0, k1, whole)
-        new = torch.maximum(old, s.amax(dim=-1, keepdim=True))
+        new = torch.where(passed, torch.maximum(old, s.amax(dim=-1, keepdim=True)), old)
         factor = (old - new).exp2_() if self.base2 else (old - new).exp_()
         run.acc[:, rows].mul_(factor)
         run.total[:, rows].mul_(factor)
