@@ -154,6 +154,25 @@ def test_native_backward_gives_bias_and_sink_gradients_within_the_rule(shape, dt
         assert verdict.ok, str(verdict)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_backward_with_the_default_blocks_within_the_rule(dtype):
+    """chunked's default blocks give the backward tiles of its own (_tiles.NATIVE_BACKWARD_BLOCKS):
+    gradients within the rule against the torch tiles in float64, at L past a few of its tiles."""
+    q, k, v, g = _inputs(dtype, 300, 330)
+    grad = torch.randn(B, H, 300, DV, generator=g)
+    mask = masks.causal() & masks.alibi(masks.alibi_slopes(H))
+    exact = _run("torch tiles", q.double(), k.double(), v.double(), mask, grad, blocks=(None, None))
+    same = _run("torch tiles", q, k, v, mask, grad, blocks=(None, None))
+    before = native.CALLS["backward"]
+    got = _run("native", q, k, v, mask, grad, blocks=(None, None))
+    assert native.CALLS["backward"] == before + 1
+    size = score_size(q, k, None, None, D ** -0.5) + float(masks.alibi_slopes(H).max()) * 330
+    for name in "qkv":
+        verdict = judge(f"native default blocks grad {name}", got[1][name], exact[1][name],
+                        lambda dt, n=name: same[1][n], dtype, head_dim=D, score_size=size)
+        assert verdict.ok, str(verdict)
+
+
 @pytest.mark.parametrize("which,bias_grad", [("native", False), ("native", True), ("torch tiles", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_are_the_same_bits_at_every_thread_count(which, bias_grad, dtype):

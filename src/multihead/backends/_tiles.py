@@ -126,6 +126,10 @@ THREADS = True
 #: added in lane order), whatever the thread count, so that they are the same bits at every thread
 #: count; it bounds the threads of the torch tiles' backward and costs as many dK, dV partials
 BACKWARD_LANES = 8
+#: (queries, keys) per tile of the native backward under chunked's default blocks: smaller than the
+#: forward's (its key pass holds a key block's dK, dV and a tile's p, dS transposed; a causal
+#: diagonal wastes less), measured faster with bfloat16 and float32 at L=4096 (bench_chunked.py)
+NATIVE_BACKWARD_BLOCKS = (64, 128)
 #: test hook: tiles computed, counted under "forward" and "backward", forward panels redone
 #: with an exact shift under "redone", tiles skipped as empty by ``tile_state`` under
 #: "skipped" (reset it with ``.clear()``); the native kernel's passes are counted in ``native.CALLS``
@@ -200,6 +204,9 @@ class Tiles:
         #: (queries, keys) per tile of the native kernel (one head's queries): the caller's, or the
         #: tiles' block_q and block_k
         self.native_blocks = native_blocks or (block_q, block_k)
+        #: the native backward's tiles: :data:`NATIVE_BACKWARD_BLOCKS` where the caller left the
+        #: blocks to chunked's defaults (``native_blocks`` given), else the caller's
+        self.native_backward_blocks = NATIVE_BACKWARD_BLOCKS if native_blocks else self.native_blocks
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
@@ -303,7 +310,7 @@ class Tiles:
             q.detach(), k.detach(), v.detach(), out.to(torch.float32), lse.to(torch.float32).contiguous(),
             g_out.to(torch.float32), None if g_lse is None else g_lse.to(torch.float32).contiguous(),
             float(self.scale), args["intervals"], args["keep"], args["biases"], dbiases, args["slopes"], args["diag"],
-            args["softcap"], *self.native_blocks, args["half"])
+            args["softcap"], *self.native_backward_blocks, args["half"])
         BLOCKS_COMPUTED["backward"] += int(tiles)
         _native.CALLS["backward"] += 1
         return dq, dk, dv, [d if w else None for d, w in zip(dbiases, wanted)]
