@@ -37,16 +37,15 @@ void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t bk, int64_t ksize
   const scalar_t* kd = k.data_ptr<scalar_t>();
   const scalar_t* vd = v.data_ptr<scalar_t>();
   at::parallel_for(0, B * Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> tmp(even(std::max(D, bk)) * kChunk);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t kb = w % nkb, hk = (w / nkb) % Hkv, b = w / nkb / Hkv;
       const int64_t k0 = kb * bk, n = std::min(bk, Lk - k0);
       const scalar_t* kbase = kd + b * ks.s0 + hk * ks.s1 + k0 * ks.s2;
       const scalar_t* vbase = vd + b * vs.s0 + hk * vs.s1 + k0 * vs.s2;
       pack_b<T>(D, n, [&](int64_t d, int64_t j) { return static_cast<T>(static_cast<float>(kbase[j * ks.s2 + d * ks.s3])); },
-                kp + w * ksize, tmp.data());
+                kp + w * ksize);
       pack_b<T>(n, Dv, [&](int64_t j, int64_t d) { return static_cast<T>(static_cast<float>(vbase[j * vs.s2 + d * vs.s3])); },
-                vp + w * vsize, tmp.data());
+                vp + w * vsize);
     }
   });
 }

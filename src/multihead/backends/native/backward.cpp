@@ -86,7 +86,6 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const float* ld = lse.data_ptr<float>();  // (B, H, Lq) contiguous
   const int64_t kitems = B * Hkv * nkb;
   at::parallel_for(0, kitems + B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> tmp(even(std::max({D, Dv, bk, bq})) * kChunk);
     for (int64_t w = begin; w < end; ++w) {
       if (w < kitems) {
         const int64_t kb = w % nkb, hk = (w / nkb) % Hkv, b = w / nkb / Hkv;
@@ -95,9 +94,9 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
         const scalar_t* vb0 = vd + b * vs.s0 + hk * vs.s1 + k0 * vs.s2;
         auto kv = [&](int64_t j, int64_t d) { return static_cast<T>(static_cast<float>(kb0[j * ks.s2 + d * ks.s3])); };
         auto vv = [&](int64_t j, int64_t d) { return static_cast<T>(static_cast<float>(vb0[j * vs.s2 + d * vs.s3])); };
-        pack_b<T>(D, n, [&](int64_t d, int64_t j) { return kv(j, d); }, P.kt.data() + w * P.ktsize, tmp.data());
-        pack_b<T>(Dv, n, [&](int64_t d, int64_t j) { return vv(j, d); }, P.vt.data() + w * P.vtsize, tmp.data());
-        pack_b<T>(n, D, kv, P.k.data() + w * P.ksize, tmp.data());
+        pack_b<T>(D, n, [&](int64_t d, int64_t j) { return kv(j, d); }, P.kt.data() + w * P.ktsize);
+        pack_b<T>(Dv, n, [&](int64_t d, int64_t j) { return vv(j, d); }, P.vt.data() + w * P.vtsize);
+        pack_b<T>(n, D, kv, P.k.data() + w * P.ksize);
         continue;
       }
       const int64_t x = w - kitems, qb = x % nqb, h = (x / nqb) % H, b = x / nqb / H;
@@ -118,8 +117,8 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
         P.delta[row] = dot - (g_lse != nullptr ? g_lse[row] : 0.f);
         P.lse[row] = ld[row] == kNegInf ? 0.f : ld[row];  // a row that sees no key: p = exp(-inf) = 0
       }
-      pack_b<T>(nq, D, qv, P.qp.data() + x * P.qpsize, tmp.data());
-      pack_b<T>(nq, Dv, gv, P.dp.data() + x * P.dpsize, tmp.data());
+      pack_b<T>(nq, D, qv, P.qp.data() + x * P.qpsize);
+      pack_b<T>(nq, Dv, gv, P.dp.data() + x * P.dpsize);
     }
   });
 }

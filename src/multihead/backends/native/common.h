@@ -151,17 +151,20 @@ constexpr int64_t kChunk = 64;
 inline int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 // B (rows, cols) in brgemm's layout, from src(r, c): column chunks of kChunk, chunk c at
-// out + c * rows_e * kChunk with leading dimension up16(its columns); VNNI pairs for half operands
+// out + c * rows_e * kChunk with leading dimension ld = up16(its columns), zero padded; half
+// operands in VNNI pairs (element (r, j) of a chunk at ((r / 2) * ld + j) * 2 + r % 2, the layout
+// cpublas::pack makes)
 template <typename T, typename F>
-void pack_b(int64_t rows, int64_t cols, F src, T* out, T* tmp) {
+void pack_b(int64_t rows, int64_t cols, F src, T* out) {
   const int64_t re = is_half<T>() ? even(rows) : rows;
   for (int64_t c = 0; c < chunks(cols); ++c) {
     const int64_t c0 = c * kChunk, nc = std::min(kChunk, cols - c0), ld = up16(nc);
-    T* dst = is_half<T>() ? tmp : out + c * re * kChunk;
-    for (int64_t r = 0; r < re; ++r)
-      for (int64_t j = 0; j < ld; ++j) dst[r * ld + j] = (r < rows && j < nc) ? src(r, c0 + j) : T(0);
-    if (is_half<T>())
-      at::native::cpublas::pack(re, ld, ld, ld, scalar_of<T>(), scalar_of<T>(), tmp, out + c * re * kChunk);
+    T* dst = out + c * re * kChunk;
+    for (int64_t r = 0; r < re; ++r) {
+      T* row = is_half<T>() ? dst + (r / 2) * ld * 2 + (r % 2) : dst + r * ld;
+      const int64_t step = is_half<T>() ? 2 : 1;
+      for (int64_t j = 0; j < ld; ++j) row[j * step] = (r < rows && j < nc) ? src(r, c0 + j) : T(0);
+    }
   }
 }
 
