@@ -356,7 +356,7 @@ def issue22_report(rounds: int, memory: bool = True) -> list[str]:
         res = paired_rounds({"native": _kernel("native", step(lambda: chunked_attention(q, k, v, masks.causal()))),
                              "sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))},
                             "sdpa", rounds)
-        row(f"causal forward+backward, {str(dtype)[6:]}", 4096, res,
+        row(f"causal forward+backward (native forward and backward), {str(dtype)[6:]}", 4096, res,
             3 * _h.attention_flops(B, H, 4096, 4096, 64, causal=True), 1.0)
     L = DOCS * DOC_LEN
     for dtype in (torch.float32, torch.bfloat16):

@@ -417,12 +417,14 @@ def _fused_note(v: Mapping[str, Any], lang: str) -> str:
         if en:
             again = (f"; scores far above a row's first tiles: the forward ran a second, checked pass, "
                      f"{redone} panels redone with the exact row max") if redone else ""
+            backward = f"; backward by the {v['backward_kernel']} kernel" if v.get("backward_kernel") else ""
             return (f"multihead chunked online softmax, tiles of {v['block_q']} queries × {v['block_k']} keys: "
                     f"{v['tiles_computed']} computed of about {v['tiles_total']} "
-                    f"(tiles a causal/window mask hides are skipped){again}")
+                    f"(tiles a causal/window mask hides are skipped){again}{backward}")
         again = f"；某行后面的分数远高于它最初几块：前向又做了一遍带检查的计算，{redone} 个块按精确的行最大值重算" if redone else ""
+        backward = f"；反向由 {v['backward_kernel']} 内核计算" if v.get("backward_kernel") else ""
         return (f"multihead 分块在线 softmax，每块 {v['block_q']} 个查询 × {v['block_k']} 个键：计算了 "
-                f"{v['tiles_computed']} 块，共约 {v['tiles_total']} 块（因果/窗口掩码遮住的块被跳过）{again}")
+                f"{v['tiles_computed']} 块，共约 {v['tiles_total']} 块（因果/窗口掩码遮住的块被跳过）{again}{backward}")
     kernel = v.get("kernel")
     if en:
         return f"the {backend} backend" + (f", {kernel}" if kernel else "")

@@ -646,7 +646,7 @@ def test_chunked_is_bit_identical_from_run_to_run_at_every_thread_count(threads,
     assert_agrees(f"{threads} threads", out, grads, oracle, case.dtype)
 
 
-def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch, threads_setting):
+def test_chunked_leaves_the_thread_count_of_other_threads_alone(monkeypatch, threads_setting, torch_tiles):
     """Issue 11, defect 5: the workers called torch.set_num_threads(1), which is process-wide, so
     a thread that started during a chunked call ran torch on one thread. A thread started from
     inside every tile computation (forward and backward) sees the caller's thread count, and

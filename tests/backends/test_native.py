@@ -89,8 +89,8 @@ def _run(which, q, k, v, mask, grad, blocks=(5, 7)):
 @pytest.mark.parametrize("lq,lk", [(23, 23), (17, 30), (30, 19)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_matches_the_torch_tiles_within_the_rule(kind, lq, lk, dtype):
-    """Output and gradients (the backward from the native forward's out and lse) within the rule
-    against the torch tiles run in float64; the native kernel's plan is used (not a fallback)."""
+    """Output and gradients (the native backward, from the native forward's out and lse) within the
+    rule against the torch tiles run in float64; the native kernel runs both (not a fallback)."""
     q, k, v, g = _inputs(dtype, lq, lk)
     mask = build_mask(kind, lq, lk, g)
     grad = torch.randn(B, H, lq, DV, generator=g)
@@ -103,13 +103,159 @@ def test_native_matches_the_torch_tiles_within_the_rule(kind, lq, lk, dtype):
     added = 0.0 if bias is None else bias.abs().max().item()  # ALiBi and bias tensors, for the floor
     exact = _run("torch tiles", q.double(), k.double(), v.double(), mask, grad)
     same = _run("torch tiles", q, k, v, mask, grad)
+    before = native.CALLS["backward"]
     got = _run("native", q, k, v, mask, grad)
-    assert got[0].dtype == dtype
+    assert got[0].dtype == dtype and native.CALLS["backward"] == before + 1
     for name in ("out", "q", "k", "v"):
         pick = (lambda r: r[0]) if name == "out" else (lambda r, n=name: r[1][n])
         verdict = judge(f"native {kind} {name}", pick(got), pick(exact), lambda dt: pick(same), dtype, head_dim=D,
                         score_size=score_size(q, k, None, None, D ** -0.5) + added)
         assert verdict.ok, str(verdict)
+
+
+def _grads_with_tensors(which, q, k, v, bias, sink, grad, mask):
+    """(out, {q, k, v, bias, sink grads}) by chunked with the ``which`` tile kernel; ``mask(bias,
+    sink)`` builds the mask from leaves of the bias tensor and the sink logits (in q's compute
+    dtype for float64 inputs)."""
+    wide = q.dtype == torch.float64
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    extra = [t.detach().clone().to(torch.float64 if wide else torch.float32).requires_grad_(True) for t in (bias, sink)]
+    with tile_kernel_as(which):
+        out = chunked_attention(*leaves, mask(*extra), block_q=5, block_k=7)
+    grads = torch.autograd.grad(out, leaves + extra, grad.to(out.dtype))
+    return out.detach(), dict(zip(("q", "k", "v", "bias", "sink"), grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(B, H, 17, 30), (1, H, 1, 30), (B, 1, 17, 1), (1, 1, 17, 30), (B, 1, 1, 30)])
+def test_native_backward_gives_bias_and_sink_gradients_within_the_rule(shape, dtype):
+    """The native backward (it runs: ``native.CALLS``) forms dq, dk, dv, the bias tensor's gradient
+    (full, or broadcast over the batch, the heads, the queries or the keys) and the sink logits'
+    within the rule against the torch tiles in float64, under a window with sinks, ALiBi, softcap
+    and grouped heads, Lq != Lk."""
+    lq, lk = 17, 30
+    q, k, v, g = _inputs(dtype, lq, lk, seed=4)
+    bias, sink = torch.randn(shape, generator=g), torch.randn(H, generator=g)
+    grad = torch.randn(B, H, lq, DV, generator=g)
+    slopes = masks.alibi_slopes(H)
+
+    def mask(b, z):
+        return masks.window(9, 2, sinks=1) & masks.bias(b) & masks.alibi(slopes) & masks.softcap(5.0) & masks.sink(z)
+
+    exact = _grads_with_tensors("torch tiles", q.double(), k.double(), v.double(), bias, sink, grad, mask)
+    same = _grads_with_tensors("torch tiles", q, k, v, bias, sink, grad, mask)
+    before = native.CALLS["backward"]
+    got = _grads_with_tensors("native", q, k, v, bias, sink, grad, mask)
+    assert native.CALLS["backward"] == before + 1
+    size = score_size(q, k, None, None, D ** -0.5) + bias.abs().max().item() + float(slopes.max()) * max(lq, lk)
+    for name in ("q", "k", "v", "bias", "sink"):
+        verdict = judge(f"native grad {name}", got[1][name], exact[1][name], lambda dt, n=name: same[1][n], dtype,
+                        head_dim=D, score_size=size)
+        assert verdict.ok, str(verdict)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_backward_with_the_default_blocks_within_the_rule(dtype):
+    """chunked's default blocks give the backward tiles of its own (_tiles.NATIVE_BACKWARD_BLOCKS):
+    gradients within the rule against the torch tiles in float64, at L past a few of its tiles."""
+    q, k, v, g = _inputs(dtype, 300, 330)
+    grad = torch.randn(B, H, 300, DV, generator=g)
+    mask = masks.causal() & masks.alibi(masks.alibi_slopes(H))
+    exact = _run("torch tiles", q.double(), k.double(), v.double(), mask, grad, blocks=(None, None))
+    same = _run("torch tiles", q, k, v, mask, grad, blocks=(None, None))
+    before = native.CALLS["backward"]
+    got = _run("native", q, k, v, mask, grad, blocks=(None, None))
+    assert native.CALLS["backward"] == before + 1
+    size = score_size(q, k, None, None, D ** -0.5) + float(masks.alibi_slopes(H).max()) * 330
+    for name in "qkv":
+        verdict = judge(f"native default blocks grad {name}", got[1][name], exact[1][name],
+                        lambda dt, n=name: same[1][n], dtype, head_dim=D, score_size=size)
+        assert verdict.ok, str(verdict)
+
+
+@pytest.mark.parametrize("which,bias_grad", [("native", False), ("native", True), ("torch tiles", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_the_same_bits_at_every_thread_count(which, bias_grad, dtype):
+    """Issue 22: dq, dk, dv (and, natively, a bias gradient broadcast over the batch and heads) are
+    the same bits at 1, 2, 3 and 8 threads: every sum is owned by one work item (native: dQ in
+    lanes of key blocks, or with a bias gradient in a query pass of its own) or one of a fixed
+    number of lanes (torch tiles; they used to add per-thread partial sums of dK, dV, and their
+    forward redid the rows of whole panels, whose size followed the thread count)."""
+    q, k, v, g = _inputs(dtype, 300, 260)
+    grad = torch.randn(B, H, 300, DV, generator=g).to(dtype)
+    bias = torch.randn(1, 1, 300, 260, generator=g)
+    results = []
+    for threads in (1, 2, 3, 8):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        b = bias.clone().requires_grad_(bias_grad)
+        # ALiBi under a causal mask makes the torch tiles' forward redo panels (scores far above a
+        # row's first tiles), which once redid the rows of whole panels, merged by thread count
+        mask = masks.causal() & masks.bias(b) & masks.alibi(masks.alibi_slopes(H))
+        with torch_threads(threads), tile_kernel_as(which):
+            out = chunked_attention(*leaves, mask, block_q=32, block_k=48)
+            results.append(torch.autograd.grad(out, leaves + ([b] if bias_grad else []), grad))
+    for got in results[1:]:
+        for name, x, y in zip("qkvb", got, results[0]):
+            assert torch.equal(x, y), f"d{name} differs between thread counts"
+
+
+def test_backward_nan_reaches_the_gradients_sdpa_makes_nan():
+    """A NaN query: the native backward's NaN gradients are where the torch tiles' are (its row of
+    dq, the dk and dv of the keys that row sees), and SDPA's backward makes them NaN too; every
+    other gradient is SDPA's value."""
+    q, k, v, g = _inputs(torch.float32, 20, 20)
+    q[0, 1, 4, 3] = float("nan")
+    grad = torch.randn(B, H, 20, DV, generator=g)
+    got = _run("native", q, k, v, masks.causal(), grad, blocks=(4, 6))[1]
+    tiles = _run("torch tiles", q, k, v, masks.causal(), grad, blocks=(4, 6))[1]
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(leaves[0], *(t.repeat_interleave(H // HKV, 1) for t in leaves[1:]),
+                                         is_causal=True)
+    want = dict(zip("qkv", torch.autograd.grad(out, leaves, grad)))
+    for name in "qkv":
+        nan = got[name].isnan()
+        assert nan.any() and torch.equal(nan, tiles[name].isnan()) and want[name][nan].isnan().all()
+        fine = ~want[name].isnan()
+        assert (got[name][fine] - want[name][fine]).abs().max() < 1e-5
+
+
+def test_float64_keeps_the_torch_tiles_and_passes_gradcheck():
+    """float64 inputs run the torch tiles forward and backward (the native kernel takes float32,
+    bfloat16, float16): gradcheck through them, and ``native.CALLS`` does not move."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    before = dict(native.CALLS)
+    with tile_kernel_as("native"):
+        assert torch.autograd.gradcheck(lambda *t: chunked_attention(*t, masks.causal("top_left"), block_q=2,
+                                                                     block_k=3), (q, k, v))
+    assert dict(native.CALLS) == before
+
+
+def test_explain_dispatch_names_the_backward_kernel(monkeypatch):
+    """The backward runs natively, or on the torch tiles where a bias broadcast over both the
+    queries and the keys needs a gradient, and explain_dispatch and the trace say which."""
+    monkeypatch.setattr(chunked, "AUTO_MIN_SCORES", 0)
+    q, k, v, _ = _inputs(torch.float32, 8, 8)
+    with tile_kernel_as("native"):
+        assert "backward: native kernel" in multihead.explain_dispatch(q, k, v, masks.causal() & masks.softcap(5.0)).how
+        scalar = torch.zeros(1, H, 1, 1, requires_grad=True)
+        how = multihead.explain_dispatch(q, k, v, masks.causal() & masks.bias(scalar)).how
+        assert "backward: torch tiles (a bias broadcast over the queries and the keys" in how
+        before = native.CALLS["backward"]
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = chunked_attention(*leaves, masks.causal() & masks.bias(scalar))
+        out.sum().backward()
+        assert native.CALLS["backward"] == before and scalar.grad is not None
+        for mask, kernel in ((masks.causal(), "native"), (masks.causal() & masks.bias(scalar), "torch tiles")):
+            with multihead.trace() as t:
+                multihead.attention(*leaves, mask, backend="chunked")
+            assert t.steps[0].params["backward_kernel"] == kernel
+            assert f"backward by the {kernel} kernel" in t.steps[0].note
+        with multihead.trace() as t, torch.no_grad():
+            multihead.attention(q, k, v, masks.causal(), backend="chunked")
+        assert t.steps[0].params["backward_kernel"] is None and "backward" not in t.steps[0].note
 
 
 def test_bf16_causal_passes_the_float32_scores_rule():

@@ -58,7 +58,10 @@ p = exp2(s·log2(e) - lse·log2(e)), and dK, formed from the log2(e)-scaled q, i
 ln 2 once). With score mods, each tile's mods are recomputed under autograd and dS is carried
 back through them with ``torch.autograd.grad``, which also gives the gradients of the tensors
 the mods read (``part.tensors``, inputs of the autograd function, e.g. a learned bias table a
-score_mod indexes). The sink logits are differentiable through the lse. The kernel is not differentiable
+score_mod indexes). The sink logits are differentiable through the lse. Where the native kernel's plan holds
+(:attr:`Tiles.native_plan`) and no bias broadcast over both the queries and the keys needs a
+gradient, the native kernel runs the backward (:meth:`Tiles.native_backward`: the same
+recomputation in two passes that each own their sums). The kernel is not differentiable
 itself: a double backward raises a clear error (use ``backend="reference"``).
 
 Precision: the tiles compute in the compute dtype (float32 for float16/bfloat16 inputs, which
@@ -68,12 +71,14 @@ before the softmax (an error of about 1 at scores of a few units, where float32 
 thousandths), and CPU ``mm`` has no float32 output for bfloat16 operands. The native kernel
 (:mod:`multihead.backends.native`) takes bfloat16 operands into float32 products instead.
 
-Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, each
-running torch single-threaded (:mod:`multihead.backends.cpu_threads`, the runtime apart from the
+Threads: on CPU the query blocks are shared among ``torch.get_num_threads()`` threads, dealt
+out back and forth (0, 1, .., n-1, n-1, .., 0, ..: equal work under a causal mask), each running
+torch single-threaded (:mod:`multihead.backends.cpu_threads`, the runtime apart from the
 algorithm); where that is not possible everything runs in the calling thread, panel after panel
-(so does a score mod with tensors to differentiate, in the backward). Either way the order of every sum is fixed
-(the backward adds the threads' dK, dV in thread order), so results are bit-identical from run to
-run at a given thread count, the caller's ``no_grad`` and ``inference_mode`` hold, and no other
+(so does a score mod with tensors to differentiate, in the backward). Either way the order of
+every sum is fixed (the backward sums dK, dV in :data:`BACKWARD_LANES` lanes of query blocks, a
+number that does not depend on the threads, and adds the lanes in order), so results are the same
+bits from run to run and at every thread count, the caller's ``no_grad`` and ``inference_mode`` hold, and no other
 thread's settings change. Grouped-query attention reads K/V once per kv head: q is viewed as
 (B·Hkv, Lq·G, D) with the G query heads of one kv head side by side, so no repeated K/V is built.
 On the ``meta`` device the data-dependent branches (redo, unset rows) are skipped: they change
@@ -107,6 +112,14 @@ __all__ = ["PANEL_SCORES", "counting", "TileCounts", "Tiles", "attend", "merge",
 #: and a call's extra memory stays bounded
 PANEL_SCORES = 2 ** 21
 
+#: the backward's dK, dV are summed in this many lanes of query blocks (each its own partial sums,
+#: added in lane order), whatever the thread count, so that they are the same bits at every thread
+#: count; it bounds the threads of the torch tiles' backward and costs as many dK, dV partials
+BACKWARD_LANES = 8
+#: (queries, keys) per tile of the native backward under chunked's default blocks: smaller than the
+#: forward's (its key pass holds a key block's dK, dV and a tile's p, dS transposed; a causal
+#: diagonal wastes less), measured faster with bfloat16 and float32 at L=4096 (bench_chunked.py)
+NATIVE_BACKWARD_BLOCKS = (64, 128)
 
 
 class TileCounts(Counter):
@@ -220,6 +233,9 @@ class Tiles:
         #: (queries, keys) per tile of the native kernel (one head's queries): the caller's, or the
         #: tiles' block_q and block_k
         self.native_blocks = native_blocks or (block_q, block_k)
+        #: the native backward's tiles: :data:`NATIVE_BACKWARD_BLOCKS` where the caller left the
+        #: blocks to chunked's defaults (``native_blocks`` given), else the caller's
+        self.native_backward_blocks = NATIVE_BACKWARD_BLOCKS if native_blocks else self.native_blocks
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
@@ -301,6 +317,33 @@ class Tiles:
         _count("native", 1)
         _native.CALLS["forward"] += 1
         return out, lse
+
+    def native_backward_why(self, wanted: Sequence[bool]) -> Optional[str]:
+        """Why the native kernel cannot run this call's backward (None: it can), ``wanted`` saying
+        which bias tensors need a gradient: the forward's reasons (:attr:`native_plan`), or a bias
+        gradient broadcast over both the queries and the keys (no pass owns its sums)."""
+        args, why = self.native_plan
+        if args is None:
+            return why
+        for b, w in zip(self.biases, wanted):
+            if w and b.dim() == 4 and b.shape[2] == 1 != self.Lq and b.shape[3] == 1 != self.Lk:
+                return "a bias broadcast over the queries and the keys needs a gradient (the torch tiles form it)"
+        return None
+
+    def native_backward(self, args: dict, out, lse, g_out, g_lse, wanted: Sequence[bool]):
+        """``(dq (B, H, Lq, D), dk, dv (B, Hkv, Lk, D|Dv), dbiases)`` in float32 by the native kernel
+        from out (B, H, Lq, Dv) and lse (B, H, Lq) and their gradients (g_lse may be None);
+        ``dbiases`` has a gradient per bias tensor that ``wanted`` one, None elsewhere."""
+        q, k, v = self.inputs
+        dbiases = [torch.zeros(b.shape, dtype=torch.float32) if w else torch.empty(0) for b, w in zip(self.biases, wanted)]
+        dq, dk, dv, tiles = _native.module().backward(
+            q.detach(), k.detach(), v.detach(), out.to(torch.float32), lse.to(torch.float32).contiguous(),
+            g_out.to(torch.float32), None if g_lse is None else g_lse.to(torch.float32).contiguous(),
+            float(self.scale), args["intervals"], args["keep"], args["biases"], dbiases, args["slopes"], args["diag"],
+            args["softcap"], *self.native_backward_blocks, args["half"])
+        _count("backward", int(tiles))
+        _native.CALLS["backward"] += 1
+        return dq, dk, dv, [d if w else None for d, w in zip(dbiases, wanted)]
 
     # -- layout: (B, H, Lq, X) <-> (N, Lq·G, X)
     def group_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -453,7 +496,7 @@ class Tiles:
         part_sum = p.sum(dim=-1, keepdim=True)
         redo = run.careful and _any(part_sum > self.limit)
         if redo:
-            p = self._redo(run, r0, r1, a0, k0, k1, whole)
+            p = self._redo(run, r0, r1, a0, k0, k1, whole, part_sum > self.limit)
             part_sum = p.sum(dim=-1, keepdim=True)
         run.acc[:, rows].add_(self._weighted(p, k0, k1))
         run.total[:, rows].add_(part_sum)
@@ -463,14 +506,16 @@ class Tiles:
         """p V (N, rows, Dv) for the probabilities p (N, rows, bk) of keys k0..k1-1."""
         return torch.bmm(p, self.v[:, k0:k1])
 
-    def _redo(self, run: "_Running", r0, r1, a0, k0, k1, whole) -> torch.Tensor:
-        """The panel's exp(s - shift) again with shift = max(old shift, its row max); rescales
+    def _redo(self, run: "_Running", r0, r1, a0, k0, k1, whole, passed) -> torch.Tensor:
+        """The panel's exp(s - shift) again with shift = max(old shift, its row max) for the rows
+        whose sums ``passed`` the limit (N, rows, 1) (the others keep theirs: which rows change
+        never depends on how blocks were merged into panels, so neither do the bits); rescales
         the rows' ``acc`` and ``total`` to it. A row with no visible key in the panel keeps its
         shift (max with -inf)."""
         rows = slice(r0 * self.G, r1 * self.G)
         old = run.shift[:, rows]
         s = self.scores(None, r0, r1, a0, k0, k1, whole)
-        new = torch.maximum(old, s.amax(dim=-1, keepdim=True))
+        new = torch.where(passed, torch.maximum(old, s.amax(dim=-1, keepdim=True)), old)
         factor = (old - new).exp2_() if self.base2 else (old - new).exp_()
         run.acc[:, rows].mul_(factor)
         run.total[:, rows].mul_(factor)
@@ -510,15 +555,23 @@ class Tiles:
         row_lse = lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
         if self.base2:
             row_lse = row_lse * LOG2E
-        # a bias or mod-tensor gradient may be shared by all query blocks: one worker
+        # a bias or mod-tensor gradient may be shared by all query blocks: one lane, in the
+        # calling thread; otherwise the query blocks are dealt to BACKWARD_LANES lanes, a number
+        # that does not depend on the threads, each lane with its own dK, dV partial sums, added
+        # in lane order: the same bits at every thread count
         one = any(db is not None for db in dbiases) or bool(mod_inputs)
-        workers = 1 if one else _threads.workers_for(len(self.blocks), q, k, g_out)
-        plans = self.plans(workers)
+        if one:
+            plans = self.plans(1)
+        else:
+            lanes = min(BACKWARD_LANES, len(self.blocks))
+            plans = [_plan([b for i, b in enumerate(self.blocks) if _threads.worker_of(i, lanes) == lane], self.Lk,
+                           self.rest, self.block_k, self.mask_shape, self.block_q, q.device) for lane in range(lanes)]
+        workers = 1 if one else _threads.workers_for(len(plans), q, k, g_out)
         partials = [(dk, dv)] + [(torch.zeros_like(dk), torch.zeros_like(dv)) for _ in plans[1:]]
 
-        def work(w):  # dq: disjoint rows; dk, dv: the worker's own partial sums
-            pdk, pdv = partials[w]
-            for k0, k1, r0, r1, a0, whole, _ in plans[w]:
+        def lane_work(lane):  # dq: disjoint rows; dk, dv: the lane's own partial sums
+            pdk, pdv = partials[lane]
+            for k0, k1, r0, r1, a0, whole, _ in plans[lane]:
                 rows = slice(r0 * G, r1 * G)
                 if self.mods:
                     p, back = self._modded_probabilities(row_lse[:, rows], r0, r1, a0, k0, k1, whole, mod_inputs)
@@ -540,8 +593,12 @@ class Tiles:
                     if db is not None:
                         _add_bias_grad(db, self._ungrouped_tile(ds, r1 - r0), a0, a0 + r1 - r0, k0, k1)
 
-        _threads.share(work, len(plans))
-        for pdk, pdv in partials[1:]:  # in worker order, whichever finished first
+        def work(w):  # worker w takes lanes w, w + workers, ...
+            for lane in range(w, len(plans), workers):
+                lane_work(lane)
+
+        _threads.share(work, workers)
+        for pdk, pdv in partials[1:]:  # in lane order, whichever finished first
             dk.add_(pdk)
             dv.add_(pdv)
         _count("backward", sum(p[-1] for plan in plans for p in plan))
@@ -623,8 +680,19 @@ class _TiledAttention(torch.autograd.Function):
         # objects, not the saved copies)
         captured = _mod_tensors(ctx.mods)
         wanted = [i for i in range(len(mod_tensors)) if ctx.needs_input_grad[7 + ctx.n_biases + i]]
+        wanted_biases = [ctx.needs_input_grad[7 + i] for i in range(ctx.n_biases)]
         with torch.no_grad(), outside_autocast(q.device.type), contextlib.ExitStack() as reading:
             tiles = Tiles(q, k, v, ctx.rest, tuple(biases), ctx.mods, **ctx.options)
+            if not wanted and tiles.native_backward_why(wanted_biases) is None:
+                args = tiles.native_plan[0]
+                dq, dk, dv, dbiases = tiles.native_backward(args, tiles.ungroup_rows(out), tiles.ungroup_lse(lse),
+                                                            g_out, g_lse, wanted_biases)
+                grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+                grads += [None if db is None else db.to(b.dtype) for b, db in zip(biases, dbiases)]
+                grads += [None] * len(mod_tensors)
+                if create_graph:
+                    grads = _NotTwice.wrap(grads, (q, k, v, *tensors))
+                return (grads[0], grads[1], grads[2], None, None, None, None, *grads[3:])
             g_out = tiles.group_rows(g_out.to(tiles.cdt))
             if g_lse is not None:
                 g_lse = tiles.group_lse(g_lse.to(tiles.cdt))
@@ -679,14 +747,28 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
 
 
 def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
-    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...)" or
-    "torch tiles (why not native)"; for ``explain_dispatch``. Arguments as for :func:`attend`."""
+    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...); backward:
+    native kernel" (or "; backward: torch tiles (why)") or "torch tiles (why not native)"; for
+    ``explain_dispatch``. Arguments as for :func:`attend`."""
+    forward, backward = _kernels(q, k, v, mask, scale=scale, mask_shape=mask_shape)
+    if forward is not None:
+        return f"torch tiles ({forward})"
+    return _native.status() + ("; backward: native kernel" if backward is None else f"; backward: torch tiles ({backward})")
+
+
+def backward_kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
+    """"native" or "torch tiles": the kernel that runs this call's backward (for the trace)."""
+    return "torch tiles" if _kernels(q, k, v, mask, scale=scale, mask_shape=mask_shape)[1] else "native"
+
+
+def _kernels(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> tuple[Optional[str], Optional[str]]:
+    """Why the native kernel does not run this call's forward and its backward (None: it does)."""
     rest, biases = split_additive(mask, mask_shape)
     groups = q.shape[1] // k.shape[1]
     tiles = Tiles(q, k, v, rest, biases, mask.score_mods if mask is not None else (), scale=scale,
                   block_q=max(1, 256 // groups), block_k=256, mask_shape=mask_shape)
-    args, why = tiles.native_plan
-    return _native.status() if args is not None else f"torch tiles ({why})"
+    return tiles.native_plan[1] if tiles.native_plan[0] is None else None, \
+        tiles.native_backward_why([b.requires_grad for b in biases])
 
 
 def _mod_tensors(mods) -> tuple[torch.Tensor, ...]:

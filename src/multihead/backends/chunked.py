@@ -178,6 +178,9 @@ def _backend_lse_fn(q, k, v, mask, *, scale, dropout_p):
         redone = counts["redone"]
         tr.record(_steps.FUSED_ATTENTION, out, params={
             "backend": "chunked", "block_q": bq, "block_k": bk, "kernel": "native" if ran_native else "torch tiles",
+            # the kernel of the backward pass, where one will run
+            "backward_kernel": _tiles.backward_kernel_for(q, k, v, mask, scale=scale, mask_shape=(
+                *q.shape[:3], k.shape[2])) if out.requires_grad else None,
             "tiles_computed": counts["forward"] // (2 if redone else 1), "tiles_total": total,
             "redone": redone,
             "lk": k.shape[2], "head_dim": q.shape[-1],

@@ -5,17 +5,22 @@
 True
 
 The torch tiles (:mod:`multihead.backends._tiles`) are the readable algorithm and the oracle; this
-package is the same online softmax in C++ (``attention.cpp``): bfloat16/float16 operands into
+package is the same online softmax in C++ (``attention.cpp``, its backward ``backward.cpp``, what
+they share ``common.h``): bfloat16/float16 operands into
 float32 scores through ATen's ``at::native::cpublas::brgemm`` (AMX or AVX512-BF16 where the CPU
 has them), the exponentials and row sums with ATen's ``Vectorized<float>``, the work shared by
 ``at::parallel_for`` over (batch, query head, query block), every output row computed by one
-thread in a fixed order (the same bits at every thread count). It reads the mask as
+thread in a fixed order (the same bits at every thread count). The backward recomputes the tiles
+in two passes, one owning each key block's dK and dV, one each query block's dQ, so that every
+sum has one owner and a fixed order (no atomics; the same bits at every thread count); it forms
+the gradients of bias tensors too, but for one broadcast over both the queries and the keys
+(the torch tiles form it). It reads the mask as
 :attr:`Tiles.native_plan <multihead.backends._tiles.Tiles.native_plan>` gives it: the
 structural parts' per-row key intervals, key padding, bias tensors, ALiBi and softcap; anything
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 
-Build: :func:`module` compiles ``attention.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
-machine's C++ compiler, ``-O3 -march=native``) into a cache directory named after the source's
+Build: :func:`module` compiles ``attention.cpp`` and ``backward.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
+machine's C++ compiler, ``-O3 -march=native``) into a cache directory named after the sources'
 hash, the torch version, the compile flags and the CPU's feature flags, so a kernel built for
 another CPU or torch is never loaded (another CPU gets a directory of its own and a build). A
 build is made in a fresh temporary directory and renamed into place only when complete, so an
@@ -51,14 +56,15 @@ import torch
 
 __all__ = ["ENABLED", "CALLS", "module", "status", "why_not", "cpu_flags", "half_products"]
 
-#: forward passes the native kernel ran (under "forward"); chunked's trace reads which kernel ran
+#: passes the native kernel ran (under "forward" and "backward"); chunked's trace reads which kernel ran
 CALLS: Counter[str] = Counter()
 
 #: use the native kernel where it can run: None (default) reads ``MULTIHEAD_NATIVE`` (unset: yes),
 #: True or False override it (the tests flip it to run both implementations)
 ENABLED: Optional[bool] = None
 
-_SOURCE = Path(__file__).with_name("attention.cpp")
+#: the kernel's sources: the forward (and the module's bindings), the backward, what they share
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("attention.cpp", "backward.cpp", "common.h"))
 #: /proc/cpuinfo flags that the compiled code may use (-march=native) or whose presence changes it
 _VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                  "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "avx_vnni")
@@ -101,7 +107,8 @@ def _cflags() -> list[str]:
 
 def _key() -> str:
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_cflags()).encode())
     h.update(" ".join(sorted(cpu_flags() & set(_VECTOR_FLAGS))).encode())
@@ -151,7 +158,7 @@ def _build(final: Path, name: str) -> Any:
         os.environ["PATH"] = extra + os.pathsep + path_before
     try:
         ldflags = ["-fsanitize=address,undefined"] if _sanitize() else []
-        mod = cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(tmp),
+        mod = cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"], build_directory=str(tmp),
                                  extra_cflags=_cflags(), extra_ldflags=ldflags, verbose=False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
