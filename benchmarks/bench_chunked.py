@@ -53,7 +53,7 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:  # this checkout's multihead, in
     sys.path.insert(0, str(_SRC))
 
 from multihead import masks
-from multihead.backends import _tiles, chunked, cpu_threads, native
+from multihead.backends import tiles as _tiles, chunked, cpu_threads, native
 
 try:
     from . import harness as _h  # as part of the benchmarks package (python -m benchmarks)

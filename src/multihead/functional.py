@@ -15,7 +15,7 @@ from . import backends as _backends
 from . import trace as _trace
 from ._checks import check_dropout, check_indices, check_qkv, check_scale
 from ._numerics import autocast_dtype, autocast_inputs, device_type, outside_autocast
-from .backends import _tiles
+from .backends import tiles as _tiles
 from .backends import chunked as _chunked
 from .backends import reference as _reference
 from .backends import sdpa as _sdpa

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import _tiles, chunked, cpu_threads, sdpa
+from multihead.backends import tiles as _tiles, chunked, cpu_threads, sdpa
 from multihead.backends.chunked import chunked_attention
 from oracle import dense as oracle_dense
 from oracle import (MaskPart, deterministic_algorithms, judge, naive_attention, parametrize_tile_kernels, score_size,

@@ -18,7 +18,7 @@ import torch
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import _tiles, chunked
+from multihead.backends import tiles as _tiles, chunked
 from multihead.backends.chunked import chunked_attention
 from oracle import parametrize_tile_kernels, tile_kernel, torch_threads  # noqa: F401 (fixture)
 from ref64 import causal_keep, random_qkv

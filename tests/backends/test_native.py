@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import multihead
 from multihead import masks
-from multihead.backends import _tiles, chunked, native
+from multihead.backends import tiles as _tiles, chunked, native
 from multihead.backends.chunked import chunked_attention
 from oracle import judge, naive_attention, score_size, tile_kernel_as, torch_threads
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import backends
-from multihead.backends import _tiles, chunked
+from multihead.backends import tiles as _tiles, chunked
 from multihead.backends.chunked import chunked_attention
 from multihead.backends import native
 from oracle import MaskPart, combine, one_thread, tile_kernel_as, torch_threads

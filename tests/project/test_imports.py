@@ -272,12 +272,12 @@ def test_private_names_stay_in_their_room():
     """A leading underscore means "of this module, or of the files of its subpackage": another room
     reaches a name only when it is public (named without the underscore; ``__all__`` still says
     what the package promises its users). Modules named with an underscore (``_numerics``,
-    ``backends._tiles``) are internal modules: importing them is fine, their private names are not."""
+    ``backends.tiles``) are internal modules: importing them is fine, their private names are not."""
     found = private_uses()
     assert not found, "private names used from another room:\n" + "\n".join(sorted(found))
 
 
 def test_a_room_is_a_subpackage_or_a_top_level_module():
     assert room("multihead.masks.core") == room("multihead.masks.geometry") == "multihead.masks"
-    assert room("multihead.backends") == room("multihead.backends._tiles") == "multihead.backends"
+    assert room("multihead.backends") == room("multihead.backends.tiles") == "multihead.backends"
     assert room("multihead.heads") == "multihead.heads" != room("multihead.module")

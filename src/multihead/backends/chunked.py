@@ -1,6 +1,6 @@
 """The ``chunked`` backend: online softmax over tiles (FlashAttention's algorithm) in plain PyTorch.
 
-The kernel itself, forward and backward with its log-sum-exp, is :mod:`multihead.backends._tiles`
+The kernel itself, forward and backward with its log-sum-exp, is :mod:`multihead.backends.tiles`
 (read its docstring for the algorithm, why it is exact, the threads and the bfloat16 products);
 this module is the backend around it: the default tile sizes, the argument checks, autocast,
 :func:`selected_weights` for :func:`multihead.attention_weights`, and what ``auto`` and
@@ -29,10 +29,10 @@ from .. import trace as _trace
 from .._checks import check_positive_int, check_qkv, check_scale
 from .._numerics import autocast_inputs, compute_dtype, outside_autocast
 from ..masks import Mask, as_mask
-from . import _tiles
+from . import tiles as _tiles
 from .registry import Backend, Call, register
 from . import native as _native
-from ._tiles import _runs
+from .tiles import _runs
 
 __all__ = ["chunked_attention", "selected_weights", "BLOCK_ROWS", "BLOCK_K", "AUTO_MIN_SCORES"]
 

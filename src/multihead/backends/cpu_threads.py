@@ -15,7 +15,7 @@ which is process-wide (see :func:`_runtime_setters`); where that is not possible
 Python dispatch mode or a tensor subclass is in play, everything runs in the calling thread.
 ``torch.set_num_threads(1)`` keeps every call in the calling thread.
 
-This module knows nothing of attention: :mod:`multihead.backends._tiles` hands it work.
+This module knows nothing of attention: :mod:`multihead.backends.tiles` hands it work.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, as_4d, split_additive
-from . import _tiles
+from . import tiles as _tiles
 from .registry import Backend, Call, get, register
 from .._numerics import compute_dtype
 

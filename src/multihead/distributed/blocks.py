@@ -13,11 +13,11 @@ import torch
 
 from .. import masks as _masks
 from .._numerics import compute_dtype
-from ..backends import _tiles
+from ..backends import tiles as _tiles
 from ..backends import chunked as _chunked
 from .ring_masks import _Placed
 
-# Each ring step is the tile kernel (multihead.backends._tiles) on one (query segment, key
+# Each ring step is the tile kernel (multihead.backends.tiles) on one (query segment, key
 # segment) pair, with the pair's mask in local coordinates: key padding from the keep tensor
 # that travels with the keys, and causal on the diagonal pairs (equal global positions). The
 # partial results are combined with the kernel's merge, the rule of the module docstring.

@@ -4,7 +4,7 @@
 >>> isinstance(native.status(), str)
 True
 
-The torch tiles (:mod:`multihead.backends._tiles`) are the readable algorithm and the oracle; this
+The torch tiles (:mod:`multihead.backends.tiles`) are the readable algorithm and the oracle; this
 package is the same online softmax in C++ (``attention.cpp``, its backward ``backward.cpp``, what
 they share ``common.h``): bfloat16/float16 operands into
 float32 scores through ATen's ``at::native::cpublas::brgemm`` (AMX or AVX512-BF16 where the CPU
@@ -15,7 +15,7 @@ in two passes, one owning each key block's dK and dV, one each query block's dQ,
 sum has one owner and a fixed order (no atomics; the same bits at every thread count); it forms
 the gradients of bias tensors too, but for one broadcast over both the queries and the keys
 (the torch tiles form it). It reads the mask as
-:attr:`Tiles.native_plan <multihead.backends._tiles.Tiles.native_plan>` gives it: the
+:attr:`Tiles.native_plan <multihead.backends.tiles.Tiles.native_plan>` gives it: the
 structural parts' per-row key intervals, key padding, bias tensors, ALiBi and softcap; anything
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 

@@ -1,4 +1,4 @@
-// The native tile kernel: the online softmax of multihead/backends/_tiles.py in C++ against ATen.
+// The native tile kernel: the online softmax of multihead/backends/tiles.py in C++ against ATen.
 //
 // Products by at::native::cpublas::brgemm: bfloat16/float16 operands into float32 scores where
 // the CPU packs them (AMX, AVX512-BF16: could_pack), float32 operands otherwise (a bfloat16 or

@@ -141,7 +141,7 @@ def counting() -> Iterator[TileCounts]:
 
     >>> import torch
     >>> from multihead import masks
-    >>> from multihead.backends import _tiles, chunked
+    >>> from multihead.backends import tiles as _tiles, chunked
     >>> q = torch.randn(1, 1, 64, 8)
     >>> with _tiles.counting() as counts:
     ...     _ = chunked.chunked_attention(q, q, q, masks.causal(), block_q=16, block_k=16)
