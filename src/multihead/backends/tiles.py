@@ -1,5 +1,10 @@
 """The tile kernel: online softmax with its log-sum-exp over tiles, forward and backward.
 
+One concept past 500 lines: one call of the tile kernel, forward and backward, in torch (the
+readable algorithm, the oracle) and the hand-over of the same call to its native twin
+(:attr:`Tiles.native_plan`, :meth:`Tiles.native_forward`, :meth:`Tiles.native_backward`), which
+reads the very fields the torch algorithm reads.
+
 One copy of the algorithm, used by the ``chunked`` backend (a whole call) and by the ring of
 :mod:`multihead.distributed` (each ring step is one call of this kernel on the key block the
 rank holds; the partial results are combined with :func:`merge`).
