@@ -165,6 +165,18 @@ inline bool states(const MaskView& m, int64_t b, int64_t i0, int64_t nq, int64_t
   return any;
 }
 
+// x (nq, n) with leading dimension ldx, as T: out (n, nqe) = xᵀ with leading dimension ldo >= nqe,
+// columns nq..nqe-1 zero (nqe: nq rounded up to even for half T); tmp (n, ldo) float scratch for half T
+template <typename T>
+inline void transpose_to(const float* x, int64_t ldx, int64_t nq, int64_t n, int64_t ldo, float* tmp, T* out) {
+  const int64_t nqe = is_half<T>() ? even(nq) : nq;
+  float* t = is_half<T>() ? tmp : reinterpret_cast<float*>(out);
+  at::vec::transpose_mxn<float>(x, ldx, t, ldo, static_cast<int>(nq), static_cast<int>(n));
+  if (nqe > nq)
+    for (int64_t j = 0; j < n; ++j) t[j * ldo + nq] = 0.f;
+  if constexpr (is_half<T>()) at::vec::convert(t, out, n * ldo);
+}
+
 // work items taken from a shared counter by at::get_num_threads() threads; each item's result
 // does not depend on which thread runs it
 template <typename F>
@@ -230,7 +242,8 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t kitems = fused ? B * Hkv * lanes : keys_coarse ? nkb : B * Hkv * nkb;
   share(is_half<T>(), [&](std::atomic<int64_t>& next) {
     std::vector<float> sbuf(bq * bk), dpbuf(bq * bk), kacc(bk * D), vacc(bk * Dv);
-    std::vector<T> pt(bk * bqe), dst(bk * bqe), ds(fused ? bq * bke : 0);
+    std::vector<T> pt(bk * bqe), dst(bk * bqe), ds(fused && is_half<T>() ? bq * bke : 0);
+    std::vector<float> tbuf(is_half<T>() ? bk * bqe : 0);
     std::vector<uint8_t> vis(bk);
     std::vector<int> state(bq);
     for (int64_t w = next.fetch_add(1); w < kitems; w = next.fetch_add(1)) {
@@ -259,23 +272,23 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             for (int64_t r = 0; r < nq; ++r)
               row_grad(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
                        P.lse[row0 + r], P.delta[row0 + r], factor);
-            for (int64_t j = 0; j < n; ++j) {  // pᵀ and dSᵀ, (n, nq) with zero columns up to nqe
-              for (int64_t r = 0; r < nq; ++r) {
-                pt[j * bqe + r] = static_cast<T>(sbuf[r * bk + j]);
-                dst[j * bqe + r] = static_cast<T>(dpbuf[r * bk + j]);
-              }
-              for (int64_t r = nq; r < nqe; ++r) pt[j * bqe + r] = dst[j * bqe + r] = T(0);
-            }
+            transpose_to(sbuf.data(), bk, nq, n, bqe, tbuf.data(), pt.data());  // pᵀ, dSᵀ (n, nqe)
+            transpose_to(dpbuf.data(), bk, nq, n, bqe, tbuf.data(), dst.data());
             gemm_packed<T>(n, Dv, nq, pt.data(), bqe, P.dp.data() + qi * P.dpsize, vacc.data(), Dv, true);
             gemm_packed<T>(n, D, nq, dst.data(), bqe, P.qp.data() + qi * P.qpsize, kacc.data(), D, true);
             if (fused) {  // this lane's dQ terms of the tile
               computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
-              for (int64_t r = 0; r < nq; ++r) {
-                T* dr = ds.data() + r * bke;
-                at::vec::convert(dpbuf.data() + r * bk, dr, n);
-                for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
+              if constexpr (is_half<T>()) {
+                for (int64_t r = 0; r < nq; ++r) {
+                  T* dr = ds.data() + r * bke;
+                  at::vec::convert(dpbuf.data() + r * bk, dr, n);
+                  for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
+                }
+                gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, dqbase + row0 * D, D, true);
+              } else {  // float operands: dS is read where it is
+                gemm_packed<T>(nq, D, n, reinterpret_cast<const T*>(dpbuf.data()), bk, P.k.data() + blk * P.ksize,
+                               dqbase + row0 * D, D, true);
               }
-              gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, dqbase + row0 * D, D, true);
             }
             for (const BiasGrad* g : by_keys) {  // (Bb, Hb, 1, Lk|1): the rows summed in order
               float* d = g->d + (g->Bb == 1 ? 0 : b) * g->st.s0 + (g->Hb == 1 ? 0 : h) * g->st.s1;
