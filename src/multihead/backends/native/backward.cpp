@@ -123,8 +123,15 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   });
 }
 
+// the exponential's polynomial degree for p rounded to T (exp2_poly)
+template <typename T>
+constexpr int exp_deg() {
+  return is_half<T>() ? 4 : 6;
+}
+
 // One row of a tile: s (q·kᵀ) becomes p = exp(score - lse), dp (dO·vᵀ) becomes dS of the score
 // before the softcap, p (dp - delta) softcap'; a row that sees no key of the tile gets zeros.
+template <int Deg>
 inline void row_grad(const MaskView& m, float* s, float* dp, int64_t b, int64_t h, int64_t i, int64_t k0,
                      int64_t n, int state, uint8_t* vis, float lse, float delta, float factor) {
   if (state == 0) {
@@ -134,6 +141,19 @@ inline void row_grad(const MaskView& m, float* s, float* dp, int64_t b, int64_t 
   }
   m.finish_row(s, b, h, i, k0, n, state, vis);
   int64_t j = 0;
+#if defined(__AVX512F__)
+  if (m.softcap == 0.f) {  // p = 2^(s factor log2(e) - lse log2(e))
+    constexpr float kLog2e = 1.44269504088896341f;
+    const __m512 vf = _mm512_set1_ps(factor * kLog2e), vl = _mm512_set1_ps(lse * kLog2e),
+                 vd = _mm512_set1_ps(delta);
+    for (; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __m512 p = exp2_poly<Deg>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vf, vl));
+      _mm512_mask_storeu_ps(dp + j, k, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), vd)));
+      _mm512_mask_storeu_ps(s + j, k, p);
+    }
+  }
+#else
   if (m.softcap == 0.f) {
     const fVec vf(factor), vl(lse), vd(delta);
     for (; j + fVec::size() <= n; j += fVec::size()) {
@@ -142,6 +162,7 @@ inline void row_grad(const MaskView& m, float* s, float* dp, int64_t b, int64_t 
       p.store(s + j);
     }
   }
+#endif
   for (; j < n; ++j) {
     const float x = s[j];
     const float p = std::exp(x * factor - lse);
@@ -174,7 +195,7 @@ inline void transpose_to(const float* x, int64_t ldx, int64_t nq, int64_t n, int
   at::vec::transpose_mxn<float>(x, ldx, t, ldo, static_cast<int>(nq), static_cast<int>(n));
   if (nqe > nq)
     for (int64_t j = 0; j < n; ++j) t[j * ldo + nq] = 0.f;
-  if constexpr (is_half<T>()) at::vec::convert(t, out, n * ldo);
+  if constexpr (is_half<T>()) round_to(t, out, n * ldo);
 }
 
 // work items taken from a shared counter by at::get_num_threads() threads; each item's result
@@ -270,7 +291,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             gemm_packed<T>(nq, n, Dv, P.da.data() + qi * P.dasize, Dvp, P.vt.data() + blk * P.vtsize, dpbuf.data(),
                            bk, false);
             for (int64_t r = 0; r < nq; ++r)
-              row_grad(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
+              row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
                        P.lse[row0 + r], P.delta[row0 + r], factor);
             transpose_to(sbuf.data(), bk, nq, n, bqe, tbuf.data(), pt.data());  // pᵀ, dSᵀ (n, nqe)
             transpose_to(dpbuf.data(), bk, nq, n, bqe, tbuf.data(), dst.data());
@@ -281,7 +302,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               if constexpr (is_half<T>()) {
                 for (int64_t r = 0; r < nq; ++r) {
                   T* dr = ds.data() + r * bke;
-                  at::vec::convert(dpbuf.data() + r * bk, dr, n);
+                  round_to(dpbuf.data() + r * bk, dr, n);
                   for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
                 }
                 gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, dqbase + row0 * D, D, true);
@@ -344,7 +365,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                          false);
           for (int64_t r = 0; r < nq; ++r) {
             float* d = dpbuf.data() + r * bk;
-            row_grad(m, sbuf.data() + r * bk, d, b, h, i0 + r, k0, n, state[r], vis.data(), P.lse[row0 + r],
+            row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, d, b, h, i0 + r, k0, n, state[r], vis.data(), P.lse[row0 + r],
                      P.delta[row0 + r], factor);
             T* dr = ds.data() + r * bke;
             at::vec::convert(d, dr, n);
