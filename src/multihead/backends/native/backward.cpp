@@ -43,15 +43,49 @@ struct BiasGrad {
   int64_t Bb, Hb, Lqb, Lkb;
 };
 
+// an operand per (b, head, block): at base + b s0 + head s1 + block sblk, rows ld apart (A operands)
+template <typename T>
+struct View {
+  const T* base = nullptr;
+  int64_t s0 = 0, s1 = 0, sblk = 0, ld = 0;
+  const T* at(int64_t b, int64_t h, int64_t blk) const { return base + b * s0 + h * s1 + blk * sblk; }
+};
+
 // what the two passes read, packed once: per (b, kv head, key block) kᵀ (D, n), vᵀ (Dv, n) and
 // k (n, D) as brgemm's B operands; per (b, head, query block) q (nq, D) and dO (nq, Dv) as
-// row-major A operands and as packed B operands; per row delta and lse
+// row-major A operands and as packed B operands; per row delta and lse. An operand whose layout
+// the input already has is read in place (its View points into the input, its buffer stays empty):
+// a row-major A of the operand type with unit column stride; in float32, a B of at most kChunk
+// columns, a multiple of 16, rows that many apart (pack_b's layout)
 template <typename T>
 struct Packed {
   int64_t ktsize, vtsize, ksize, qasize, qpsize, dasize, dpsize;
-  std::vector<T> kt, vt, k, qa, qp, da, dp;
+  std::vector<T> kt, vt, k, qa, qp, da, dp;  // empty where read in place
+  View<T> vk, vqa, vqp, vda, vdp;
   std::vector<float> delta, lse;
 };
+
+// the View of buffer `buf` of n0 x n1 x n2 blocks of `size` (A rows ld apart), or of the input
+// `t` (B, H, L, X) in blocks of `rows` rows where `direct`
+template <typename T>
+View<T> view_of(bool direct, const at::Tensor& t, int64_t rows, std::vector<T>& buf, int64_t n1, int64_t n2,
+                int64_t size, int64_t ld) {
+  View<T> v;
+  if (direct) {
+    v.base = reinterpret_cast<const T*>(t.data_ptr());
+    v.s0 = t.stride(0);
+    v.s1 = t.stride(1);
+    v.sblk = rows * t.stride(2);
+    v.ld = t.stride(2);
+  } else {
+    v.base = buf.data();
+    v.s1 = n2 * size;
+    v.s0 = n1 * v.s1;
+    v.sblk = size;
+    v.ld = ld;
+  }
+  return v;
+}
 
 template <typename scalar_t, typename T>
 void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -68,13 +102,26 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   P.qpsize = bqe * chunks(D) * kChunk;
   P.dasize = bq * Dvp;
   P.dpsize = bqe * chunks(Dv) * kChunk;
+  // which operands are read in place (see Packed)
+  constexpr bool same = std::is_same<scalar_t, T>::value, flt = std::is_same<T, float>::value;
+  auto b_direct = [&](const at::Tensor& t, int64_t cols) {
+    return flt && cols <= kChunk && cols % 16 == 0 && t.stride(3) == 1 && t.stride(2) == cols;
+  };
+  const bool qa_in = same && q.stride(3) == 1 && q.stride(2) >= D && D == Dp;
+  const bool da_in = flt && g_out.stride(3) == 1 && g_out.stride(2) >= Dv;
+  const bool qp_in = same && b_direct(q, D), dp_in = b_direct(g_out, Dv), k_in = same && b_direct(k, D);
   P.kt.resize(B * Hkv * nkb * P.ktsize);
   P.vt.resize(B * Hkv * nkb * P.vtsize);
-  P.k.resize(B * Hkv * nkb * P.ksize);
-  P.qa.resize(B * H * nqb * P.qasize);
-  P.qp.resize(B * H * nqb * P.qpsize);
-  P.da.resize(B * H * nqb * P.dasize);
-  P.dp.resize(B * H * nqb * P.dpsize);
+  if (!k_in) P.k.resize(B * Hkv * nkb * P.ksize);
+  if (!qa_in) P.qa.resize(B * H * nqb * P.qasize);
+  if (!qp_in) P.qp.resize(B * H * nqb * P.qpsize);
+  if (!da_in) P.da.resize(B * H * nqb * P.dasize);
+  if (!dp_in) P.dp.resize(B * H * nqb * P.dpsize);
+  P.vk = view_of<T>(k_in, k, bk, P.k, Hkv, nkb, P.ksize, 0);
+  P.vqa = view_of<T>(qa_in, q, bq, P.qa, H, nqb, P.qasize, Dp);
+  P.vqp = view_of<T>(qp_in, q, bq, P.qp, H, nqb, P.qpsize, 0);
+  P.vda = view_of<T>(da_in, g_out, bq, P.da, H, nqb, P.dasize, Dvp);
+  P.vdp = view_of<T>(dp_in, g_out, bq, P.dp, H, nqb, P.dpsize, 0);
   P.delta.resize(B * H * Lq);
   P.lse.resize(B * H * Lq);
   const Strides4 ks = strides4(k), vs = strides4(v), qs = strides4(q), os = strides4(out), gs = strides4(g_out);
@@ -96,7 +143,7 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
         auto vv = [&](int64_t j, int64_t d) { return static_cast<T>(static_cast<float>(vb0[j * vs.s2 + d * vs.s3])); };
         pack_b<T>(D, n, [&](int64_t d, int64_t j) { return kv(j, d); }, P.kt.data() + w * P.ktsize);
         pack_b<T>(Dv, n, [&](int64_t d, int64_t j) { return vv(j, d); }, P.vt.data() + w * P.vtsize);
-        pack_b<T>(n, D, kv, P.k.data() + w * P.ksize);
+        if (!k_in) pack_b<T>(n, D, kv, P.k.data() + w * P.ksize);
         continue;
       }
       const int64_t x = w - kitems, qb = x % nqb, h = (x / nqb) % H, b = x / nqb / H;
@@ -106,19 +153,21 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       const float* ob0 = od + b * os.s0 + h * os.s1 + i0 * os.s2;
       auto qv = [&](int64_t r, int64_t d) { return static_cast<T>(static_cast<float>(qb0[r * qs.s2 + d * qs.s3])); };
       auto gv = [&](int64_t r, int64_t d) { return static_cast<T>(gb0[r * gs.s2 + d * gs.s3]); };
-      T* qa = P.qa.data() + x * P.qasize;
-      T* da = P.da.data() + x * P.dasize;
+      T* qa = qa_in ? nullptr : P.qa.data() + x * P.qasize;
+      T* da = da_in ? nullptr : P.da.data() + x * P.dasize;
       for (int64_t r = 0; r < nq; ++r) {
-        for (int64_t d = 0; d < Dp; ++d) qa[r * Dp + d] = d < D ? qv(r, d) : T(0);
-        for (int64_t d = 0; d < Dvp; ++d) da[r * Dvp + d] = d < Dv ? gv(r, d) : T(0);
+        if (!qa_in)
+          for (int64_t d = 0; d < Dp; ++d) qa[r * Dp + d] = d < D ? qv(r, d) : T(0);
+        if (!da_in)
+          for (int64_t d = 0; d < Dvp; ++d) da[r * Dvp + d] = d < Dv ? gv(r, d) : T(0);
         const int64_t row = (b * H + h) * Lq + i0 + r;
         float dot = 0.f;  // in a fixed order
         for (int64_t d = 0; d < Dv; ++d) dot += gb0[r * gs.s2 + d * gs.s3] * ob0[r * os.s2 + d * os.s3];
         P.delta[row] = dot - (g_lse != nullptr ? g_lse[row] : 0.f);
         P.lse[row] = ld[row] == kNegInf ? 0.f : ld[row];  // a row that sees no key: p = exp(-inf) = 0
       }
-      pack_b<T>(nq, D, qv, P.qp.data() + x * P.qpsize);
-      pack_b<T>(nq, Dv, gv, P.dp.data() + x * P.dpsize);
+      if (!qp_in) pack_b<T>(nq, D, qv, P.qp.data() + x * P.qpsize);
+      if (!dp_in) pack_b<T>(nq, Dv, gv, P.dp.data() + x * P.dpsize);
     }
   });
 }
@@ -285,18 +334,18 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             const int64_t lo = hull[(b * nqb + qb) * 2], hi = hull[(b * nqb + qb) * 2 + 1];
             const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0), nqe = is_half<T>() ? even(nq) : nq;
             if (std::min(hi, k0 + n) <= std::max(lo, k0) || !states(m, b, i0, nq, k0, n, state.data())) continue;
-            const int64_t qi = (b * H + h) * nqb + qb, row0 = (b * H + h) * Lq + i0;
-            gemm_packed<T>(nq, n, D, P.qa.data() + qi * P.qasize, Dp, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
+            const int64_t row0 = (b * H + h) * Lq + i0;
+            gemm_packed<T>(nq, n, D, P.vqa.at(b, h, qb), P.vqa.ld, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
                            false);
-            gemm_packed<T>(nq, n, Dv, P.da.data() + qi * P.dasize, Dvp, P.vt.data() + blk * P.vtsize, dpbuf.data(),
+            gemm_packed<T>(nq, n, Dv, P.vda.at(b, h, qb), P.vda.ld, P.vt.data() + blk * P.vtsize, dpbuf.data(),
                            bk, false);
             for (int64_t r = 0; r < nq; ++r)
               row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
                        P.lse[row0 + r], P.delta[row0 + r], factor);
             transpose_to(sbuf.data(), bk, nq, n, bqe, tbuf.data(), pt.data());  // pᵀ, dSᵀ (n, nqe)
             transpose_to(dpbuf.data(), bk, nq, n, bqe, tbuf.data(), dst.data());
-            gemm_packed<T>(n, Dv, nq, pt.data(), bqe, P.dp.data() + qi * P.dpsize, vacc.data(), Dv, true);
-            gemm_packed<T>(n, D, nq, dst.data(), bqe, P.qp.data() + qi * P.qpsize, kacc.data(), D, true);
+            gemm_packed<T>(n, Dv, nq, pt.data(), bqe, P.vdp.at(b, h, qb), vacc.data(), Dv, true);
+            gemm_packed<T>(n, D, nq, dst.data(), bqe, P.vqp.at(b, h, qb), kacc.data(), D, true);
             if (fused) {  // this lane's dQ terms of the tile
               computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
               if constexpr (is_half<T>()) {
@@ -305,9 +354,9 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                   round_to(dpbuf.data() + r * bk, dr, n);
                   for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
                 }
-                gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, dqbase + row0 * D, D, true);
+                gemm_packed<T>(nq, D, n, ds.data(), bke, P.vk.at(b, hk, kb), dqbase + row0 * D, D, true);
               } else {  // float operands: dS is read where it is
-                gemm_packed<T>(nq, D, n, reinterpret_cast<const T*>(dpbuf.data()), bk, P.k.data() + blk * P.ksize,
+                gemm_packed<T>(nq, D, n, reinterpret_cast<const T*>(dpbuf.data()), bk, P.vk.at(b, hk, kb),
                                dqbase + row0 * D, D, true);
               }
             }
@@ -351,7 +400,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       for (int64_t pair = pairs0; pair < pairs1; ++pair) {
         const int64_t b = pair / H, h = pair % H, hk = h / G;
-        const int64_t qi = pair * nqb + qb, row0 = pair * Lq + i0;
+        const int64_t row0 = pair * Lq + i0;
         const int64_t lo = hull[(b * nqb + qb) * 2], hi = hull[(b * nqb + qb) * 2 + 1];
         std::fill(qacc.begin(), qacc.end(), 0.f);
         for (int64_t kb = lo / bk; hi > lo && kb * bk < hi; ++kb) {
@@ -359,9 +408,9 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           if (!states(m, b, i0, nq, k0, n, state.data())) continue;
           computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
           const int64_t blk = (b * Hkv + hk) * nkb + kb;
-          gemm_packed<T>(nq, n, D, P.qa.data() + qi * P.qasize, Dp, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
+          gemm_packed<T>(nq, n, D, P.vqa.at(b, h, qb), P.vqa.ld, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
                          false);
-          gemm_packed<T>(nq, n, Dv, P.da.data() + qi * P.dasize, Dvp, P.vt.data() + blk * P.vtsize, dpbuf.data(), bk,
+          gemm_packed<T>(nq, n, Dv, P.vda.at(b, h, qb), P.vda.ld, P.vt.data() + blk * P.vtsize, dpbuf.data(), bk,
                          false);
           for (int64_t r = 0; r < nq; ++r) {
             float* d = dpbuf.data() + r * bk;
@@ -381,7 +430,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               }
             }
           }
-          gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, qacc.data(), D, true);
+          gemm_packed<T>(nq, D, n, ds.data(), bke, P.vk.at(b, hk, kb), qacc.data(), D, true);
         }
         float* qout = dqd + row0 * D;
         for (int64_t t = 0; t < nq * D; ++t) qout[t] = qacc[t] * scale;
