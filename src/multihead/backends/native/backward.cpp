@@ -33,8 +33,9 @@ using namespace multihead_native;
 
 namespace {
 
-// the lanes of key blocks whose dQ terms are summed apart (see backward_impl)
-constexpr int64_t kLanes = 4;
+// the lanes of key blocks whose dQ terms are summed apart (see backward_impl): at most kLanes, and
+// no more than it takes to make kItems work items of the (batch, kv head) pairs
+constexpr int64_t kLanes = 4, kItems = 16;
 
 // a bias gradient to form: float32 (Bb, Hb, Lqb, Lkb), each axis 1 or full
 struct BiasGrad {
@@ -300,7 +301,8 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // and adds its dQ terms, key block after key block, into that lane's dQ; the lanes are added in
   // order at the end. The number of lanes follows the shape alone, never the thread count.
   const bool fused = dbias.empty();
-  const int64_t lanes = fused ? std::min(kLanes, nkb) : 1, dqsize = B * H * Lq * D;
+  const int64_t lanes = fused ? std::min({kLanes, nkb, (kItems + B * Hkv - 1) / (B * Hkv)}) : 1;
+  const int64_t dqsize = B * H * Lq * D;
   std::vector<float> dqlanes(fused ? (lanes - 1) * dqsize : 0, 0.f);
   auto lane_of = [&](int64_t kb) {
     const int64_t turn = kb / lanes, place = kb % lanes;
@@ -376,7 +378,14 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   });
   if (fused) {  // dQ = scale · (lane 0 + lane 1 + ...), in lane order
     at::parallel_for(0, dqsize, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
+      const fVec vs(scale);
+      int64_t t = begin;
+      for (; t + fVec::size() <= end; t += fVec::size()) {
+        fVec x = fVec::loadu(dqd + t);
+        for (int64_t l = 1; l < lanes; ++l) x = x + fVec::loadu(dqlanes.data() + (l - 1) * dqsize + t);
+        (x * vs).store(dqd + t);
+      }
+      for (; t < end; ++t) {
         float x = dqd[t];
         for (int64_t l = 1; l < lanes; ++l) x += dqlanes[(l - 1) * dqsize + t];
         dqd[t] = x * scale;
@@ -475,10 +484,10 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   }
   auto opts = q.options().dtype(at::kFloat);
   auto dq = at::zeros({B, H, Lq, D}, opts);
-  auto dk = at::zeros({B, Hkv, Lk, D}, opts);
-  auto dv = at::zeros({B, Hkv, Lk, Dv}, opts);
+  auto dk = at::empty({B, Hkv, Lk, D}, opts);  // every element written by its owner
+  auto dv = at::empty({B, Hkv, Lk, Dv}, opts);
   int64_t tiles = 0;
-  if (B * H * Lq == 0 || Lk == 0) return {dq, dk, dv, at::scalar_tensor(tiles, at::kLong)};
+  if (B * H * Lq == 0 || Lk == 0) return {dq, dk.zero_(), dv.zero_(), at::scalar_tensor(tiles, at::kLong)};
   MaskView m = make_mask(scale, intervals, keep, biases, slopes, diag, softcap, Lq);
   std::vector<BiasGrad> grads;
   for (const auto& d : dbiases) {
