@@ -237,15 +237,23 @@ inline bool states(const MaskView& m, int64_t b, int64_t i0, int64_t nq, int64_t
 }
 
 // x (nq, n) with leading dimension ldx, as T: out (n, nqe) = xᵀ with leading dimension ldo >= nqe,
-// columns nq..nqe-1 zero (nqe: nq rounded up to even for half T); tmp (n, ldo) float scratch for half T
+// columns nq..nqe-1 zero (nqe: nq rounded up to even for half T); tmp: 16 x 16 floats of scratch
 template <typename T>
 inline void transpose_to(const float* x, int64_t ldx, int64_t nq, int64_t n, int64_t ldo, float* tmp, T* out) {
-  const int64_t nqe = is_half<T>() ? even(nq) : nq;
-  float* t = is_half<T>() ? tmp : reinterpret_cast<float*>(out);
-  at::vec::transpose_mxn<float>(x, ldx, t, ldo, static_cast<int>(nq), static_cast<int>(n));
-  if (nqe > nq)
-    for (int64_t j = 0; j < n; ++j) t[j * ldo + nq] = 0.f;
-  if constexpr (is_half<T>()) round_to(t, out, n * ldo);
+  if constexpr (is_half<T>()) {  // 16 x 16 blocks through a scratch block, each row rounded to T
+    for (int64_t i0 = 0; i0 < nq; i0 += 16) {
+      const int64_t mi = std::min<int64_t>(16, nq - i0);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t mj = std::min<int64_t>(16, n - j0);
+        at::vec::transpose_mxn<float>(x + i0 * ldx + j0, ldx, tmp, 16, static_cast<int>(mi), static_cast<int>(mj));
+        for (int64_t j = 0; j < mj; ++j) round_to(tmp + j * 16, out + (j0 + j) * ldo + i0, mi);
+      }
+    }
+    if (nq % 2 != 0)
+      for (int64_t j = 0; j < n; ++j) out[j * ldo + nq] = T(0);
+  } else {
+    at::vec::transpose_mxn<float>(x, ldx, reinterpret_cast<float*>(out), ldo, static_cast<int>(nq), static_cast<int>(n));
+  }
 }
 
 // work items taken from a shared counter by at::get_num_threads() threads; each item's result
@@ -315,7 +323,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   share(is_half<T>(), [&](std::atomic<int64_t>& next) {
     std::vector<float> sbuf(bq * bk), dpbuf(bq * bk), kacc(bk * D), vacc(bk * Dv);
     std::vector<T> pt(bk * bqe), dst(bk * bqe), ds(fused && is_half<T>() ? bq * bke : 0);
-    std::vector<float> tbuf(is_half<T>() ? bk * bqe : 0);
+    std::vector<float> tbuf(is_half<T>() ? 16 * 16 : 0);
     std::vector<uint8_t> vis(bk);
     std::vector<int> state(bq);
     for (int64_t w = next.fetch_add(1); w < kitems; w = next.fetch_add(1)) {
