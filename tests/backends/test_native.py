@@ -300,6 +300,34 @@ def test_inputs_are_read_through_their_strides():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_read_the_inputs_and_the_output_gradient_through_their_strides(dtype):
+    """The backward reads q, k and dO in place where their layout is already the products' (unit
+    last-axis stride, rows D apart, D a multiple of 16) and packs copies otherwise: transposed
+    (B, L, H, D) views, a kv head broadcast by a zero stride and a transposed output gradient give
+    the bits of the same values laid out contiguously."""
+    g = torch.Generator().manual_seed(5)
+    d = 16
+    q = torch.randn(B, 40, H, d, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, 1, 40, d, generator=g).to(dtype).expand(B, HKV, 40, d)
+    v = torch.randn(B, 40, HKV, d, generator=g).to(dtype).transpose(1, 2)
+    grad = torch.randn(B, 40, H, d, generator=g).to(dtype).transpose(1, 2)
+    assert q.stride(2) != d and k.stride(1) == 0 and grad.stride(2) != d
+
+    def grads(q, k, v, grad):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        with tile_kernel_as("native"):
+            out = chunked_attention(*leaves, masks.causal(), block_q=8, block_k=16)
+        return torch.autograd.grad(out, leaves, grad)
+
+    before = native.CALLS["backward"]
+    got = grads(q, k, v, grad)
+    want = grads(q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous())
+    assert native.CALLS["backward"] == before + 2
+    for name, x, y in zip("qkv", got, want):
+        assert torch.equal(x, y), f"d{name} differs between strided and contiguous inputs"
+
+
 def test_nan_propagates_to_the_rows_that_read_it_as_in_sdpa():
     """A NaN query gives a NaN output row, a NaN key every row that sees it, and only those (SDPA
     makes these NaN too, and more: every row of its blocks that meet the key); every other row is

@@ -33,8 +33,9 @@ using namespace multihead_native;
 
 namespace {
 
-// the lanes of key blocks whose dQ terms are summed apart (see backward_impl)
-constexpr int64_t kLanes = 4;
+// the lanes of key blocks whose dQ terms are summed apart (see backward_impl): at most kLanes, and
+// no more than it takes to make kItems work items of the (batch, kv head) pairs
+constexpr int64_t kLanes = 4, kItems = 16;
 
 // a bias gradient to form: float32 (Bb, Hb, Lqb, Lkb), each axis 1 or full
 struct BiasGrad {
@@ -43,15 +44,49 @@ struct BiasGrad {
   int64_t Bb, Hb, Lqb, Lkb;
 };
 
+// an operand per (b, head, block): at base + b s0 + head s1 + block sblk, rows ld apart (A operands)
+template <typename T>
+struct View {
+  const T* base = nullptr;
+  int64_t s0 = 0, s1 = 0, sblk = 0, ld = 0;
+  const T* at(int64_t b, int64_t h, int64_t blk) const { return base + b * s0 + h * s1 + blk * sblk; }
+};
+
 // what the two passes read, packed once: per (b, kv head, key block) kᵀ (D, n), vᵀ (Dv, n) and
 // k (n, D) as brgemm's B operands; per (b, head, query block) q (nq, D) and dO (nq, Dv) as
-// row-major A operands and as packed B operands; per row delta and lse
+// row-major A operands and as packed B operands; per row delta and lse. An operand whose layout
+// the input already has is read in place (its View points into the input, its buffer stays empty):
+// a row-major A of the operand type with unit column stride; in float32, a B of at most kChunk
+// columns, a multiple of 16, rows that many apart (pack_b's layout)
 template <typename T>
 struct Packed {
   int64_t ktsize, vtsize, ksize, qasize, qpsize, dasize, dpsize;
-  std::vector<T> kt, vt, k, qa, qp, da, dp;
+  std::vector<T> kt, vt, k, qa, qp, da, dp;  // empty where read in place
+  View<T> vk, vqa, vqp, vda, vdp;
   std::vector<float> delta, lse;
 };
+
+// the View of buffer `buf` of n0 x n1 x n2 blocks of `size` (A rows ld apart), or of the input
+// `t` (B, H, L, X) in blocks of `rows` rows where `direct`
+template <typename T>
+View<T> view_of(bool direct, const at::Tensor& t, int64_t rows, std::vector<T>& buf, int64_t n1, int64_t n2,
+                int64_t size, int64_t ld) {
+  View<T> v;
+  if (direct) {
+    v.base = reinterpret_cast<const T*>(t.data_ptr());
+    v.s0 = t.stride(0);
+    v.s1 = t.stride(1);
+    v.sblk = rows * t.stride(2);
+    v.ld = t.stride(2);
+  } else {
+    v.base = buf.data();
+    v.s1 = n2 * size;
+    v.s0 = n1 * v.s1;
+    v.sblk = size;
+    v.ld = ld;
+  }
+  return v;
+}
 
 template <typename scalar_t, typename T>
 void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -68,13 +103,26 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   P.qpsize = bqe * chunks(D) * kChunk;
   P.dasize = bq * Dvp;
   P.dpsize = bqe * chunks(Dv) * kChunk;
+  // which operands are read in place (see Packed)
+  constexpr bool same = std::is_same<scalar_t, T>::value, flt = std::is_same<T, float>::value;
+  auto b_direct = [&](const at::Tensor& t, int64_t cols) {
+    return flt && cols <= kChunk && cols % 16 == 0 && t.stride(3) == 1 && t.stride(2) == cols;
+  };
+  const bool qa_in = same && q.stride(3) == 1 && q.stride(2) >= D && D == Dp;
+  const bool da_in = flt && g_out.stride(3) == 1 && g_out.stride(2) >= Dv;
+  const bool qp_in = same && b_direct(q, D), dp_in = b_direct(g_out, Dv), k_in = same && b_direct(k, D);
   P.kt.resize(B * Hkv * nkb * P.ktsize);
   P.vt.resize(B * Hkv * nkb * P.vtsize);
-  P.k.resize(B * Hkv * nkb * P.ksize);
-  P.qa.resize(B * H * nqb * P.qasize);
-  P.qp.resize(B * H * nqb * P.qpsize);
-  P.da.resize(B * H * nqb * P.dasize);
-  P.dp.resize(B * H * nqb * P.dpsize);
+  if (!k_in) P.k.resize(B * Hkv * nkb * P.ksize);
+  if (!qa_in) P.qa.resize(B * H * nqb * P.qasize);
+  if (!qp_in) P.qp.resize(B * H * nqb * P.qpsize);
+  if (!da_in) P.da.resize(B * H * nqb * P.dasize);
+  if (!dp_in) P.dp.resize(B * H * nqb * P.dpsize);
+  P.vk = view_of<T>(k_in, k, bk, P.k, Hkv, nkb, P.ksize, 0);
+  P.vqa = view_of<T>(qa_in, q, bq, P.qa, H, nqb, P.qasize, Dp);
+  P.vqp = view_of<T>(qp_in, q, bq, P.qp, H, nqb, P.qpsize, 0);
+  P.vda = view_of<T>(da_in, g_out, bq, P.da, H, nqb, P.dasize, Dvp);
+  P.vdp = view_of<T>(dp_in, g_out, bq, P.dp, H, nqb, P.dpsize, 0);
   P.delta.resize(B * H * Lq);
   P.lse.resize(B * H * Lq);
   const Strides4 ks = strides4(k), vs = strides4(v), qs = strides4(q), os = strides4(out), gs = strides4(g_out);
@@ -96,7 +144,7 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
         auto vv = [&](int64_t j, int64_t d) { return static_cast<T>(static_cast<float>(vb0[j * vs.s2 + d * vs.s3])); };
         pack_b<T>(D, n, [&](int64_t d, int64_t j) { return kv(j, d); }, P.kt.data() + w * P.ktsize);
         pack_b<T>(Dv, n, [&](int64_t d, int64_t j) { return vv(j, d); }, P.vt.data() + w * P.vtsize);
-        pack_b<T>(n, D, kv, P.k.data() + w * P.ksize);
+        if (!k_in) pack_b<T>(n, D, kv, P.k.data() + w * P.ksize);
         continue;
       }
       const int64_t x = w - kitems, qb = x % nqb, h = (x / nqb) % H, b = x / nqb / H;
@@ -106,25 +154,34 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       const float* ob0 = od + b * os.s0 + h * os.s1 + i0 * os.s2;
       auto qv = [&](int64_t r, int64_t d) { return static_cast<T>(static_cast<float>(qb0[r * qs.s2 + d * qs.s3])); };
       auto gv = [&](int64_t r, int64_t d) { return static_cast<T>(gb0[r * gs.s2 + d * gs.s3]); };
-      T* qa = P.qa.data() + x * P.qasize;
-      T* da = P.da.data() + x * P.dasize;
+      T* qa = qa_in ? nullptr : P.qa.data() + x * P.qasize;
+      T* da = da_in ? nullptr : P.da.data() + x * P.dasize;
       for (int64_t r = 0; r < nq; ++r) {
-        for (int64_t d = 0; d < Dp; ++d) qa[r * Dp + d] = d < D ? qv(r, d) : T(0);
-        for (int64_t d = 0; d < Dvp; ++d) da[r * Dvp + d] = d < Dv ? gv(r, d) : T(0);
+        if (!qa_in)
+          for (int64_t d = 0; d < Dp; ++d) qa[r * Dp + d] = d < D ? qv(r, d) : T(0);
+        if (!da_in)
+          for (int64_t d = 0; d < Dvp; ++d) da[r * Dvp + d] = d < Dv ? gv(r, d) : T(0);
         const int64_t row = (b * H + h) * Lq + i0 + r;
         float dot = 0.f;  // in a fixed order
         for (int64_t d = 0; d < Dv; ++d) dot += gb0[r * gs.s2 + d * gs.s3] * ob0[r * os.s2 + d * os.s3];
         P.delta[row] = dot - (g_lse != nullptr ? g_lse[row] : 0.f);
         P.lse[row] = ld[row] == kNegInf ? 0.f : ld[row];  // a row that sees no key: p = exp(-inf) = 0
       }
-      pack_b<T>(nq, D, qv, P.qp.data() + x * P.qpsize);
-      pack_b<T>(nq, Dv, gv, P.dp.data() + x * P.dpsize);
+      if (!qp_in) pack_b<T>(nq, D, qv, P.qp.data() + x * P.qpsize);
+      if (!dp_in) pack_b<T>(nq, Dv, gv, P.dp.data() + x * P.dpsize);
     }
   });
 }
 
+// the exponential's polynomial degree for p rounded to T (exp2_poly)
+template <typename T>
+constexpr int exp_deg() {
+  return is_half<T>() ? 4 : 6;
+}
+
 // One row of a tile: s (q·kᵀ) becomes p = exp(score - lse), dp (dO·vᵀ) becomes dS of the score
 // before the softcap, p (dp - delta) softcap'; a row that sees no key of the tile gets zeros.
+template <int Deg>
 inline void row_grad(const MaskView& m, float* s, float* dp, int64_t b, int64_t h, int64_t i, int64_t k0,
                      int64_t n, int state, uint8_t* vis, float lse, float delta, float factor) {
   if (state == 0) {
@@ -134,6 +191,19 @@ inline void row_grad(const MaskView& m, float* s, float* dp, int64_t b, int64_t 
   }
   m.finish_row(s, b, h, i, k0, n, state, vis);
   int64_t j = 0;
+#if defined(__AVX512F__)
+  if (m.softcap == 0.f) {  // p = 2^(s factor log2(e) - lse log2(e))
+    constexpr float kLog2e = 1.44269504088896341f;
+    const __m512 vf = _mm512_set1_ps(factor * kLog2e), vl = _mm512_set1_ps(lse * kLog2e),
+                 vd = _mm512_set1_ps(delta);
+    for (; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __m512 p = exp2_poly<Deg>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vf, vl));
+      _mm512_mask_storeu_ps(dp + j, k, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), vd)));
+      _mm512_mask_storeu_ps(s + j, k, p);
+    }
+  }
+#else
   if (m.softcap == 0.f) {
     const fVec vf(factor), vl(lse), vd(delta);
     for (; j + fVec::size() <= n; j += fVec::size()) {
@@ -142,6 +212,7 @@ inline void row_grad(const MaskView& m, float* s, float* dp, int64_t b, int64_t 
       p.store(s + j);
     }
   }
+#endif
   for (; j < n; ++j) {
     const float x = s[j];
     const float p = std::exp(x * factor - lse);
@@ -163,6 +234,26 @@ inline bool states(const MaskView& m, int64_t b, int64_t i0, int64_t nq, int64_t
     any = any || state[r] > 0;
   }
   return any;
+}
+
+// x (nq, n) with leading dimension ldx, as T: out (n, nqe) = xᵀ with leading dimension ldo >= nqe,
+// columns nq..nqe-1 zero (nqe: nq rounded up to even for half T); tmp: 16 x 16 floats of scratch
+template <typename T>
+inline void transpose_to(const float* x, int64_t ldx, int64_t nq, int64_t n, int64_t ldo, float* tmp, T* out) {
+  if constexpr (is_half<T>()) {  // 16 x 16 blocks through a scratch block, each row rounded to T
+    for (int64_t i0 = 0; i0 < nq; i0 += 16) {
+      const int64_t mi = std::min<int64_t>(16, nq - i0);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t mj = std::min<int64_t>(16, n - j0);
+        at::vec::transpose_mxn<float>(x + i0 * ldx + j0, ldx, tmp, 16, static_cast<int>(mi), static_cast<int>(mj));
+        for (int64_t j = 0; j < mj; ++j) round_to(tmp + j * 16, out + (j0 + j) * ldo + i0, mi);
+      }
+    }
+    if (nq % 2 != 0)
+      for (int64_t j = 0; j < n; ++j) out[j * ldo + nq] = T(0);
+  } else {
+    at::vec::transpose_mxn<float>(x, ldx, reinterpret_cast<float*>(out), ldo, static_cast<int>(nq), static_cast<int>(n));
+  }
 }
 
 // work items taken from a shared counter by at::get_num_threads() threads; each item's result
@@ -218,7 +309,8 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // and adds its dQ terms, key block after key block, into that lane's dQ; the lanes are added in
   // order at the end. The number of lanes follows the shape alone, never the thread count.
   const bool fused = dbias.empty();
-  const int64_t lanes = fused ? std::min(kLanes, nkb) : 1, dqsize = B * H * Lq * D;
+  const int64_t lanes = fused ? std::min({kLanes, nkb, (kItems + B * Hkv - 1) / (B * Hkv)}) : 1;
+  const int64_t dqsize = B * H * Lq * D;
   std::vector<float> dqlanes(fused ? (lanes - 1) * dqsize : 0, 0.f);
   auto lane_of = [&](int64_t kb) {
     const int64_t turn = kb / lanes, place = kb % lanes;
@@ -230,7 +322,8 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t kitems = fused ? B * Hkv * lanes : keys_coarse ? nkb : B * Hkv * nkb;
   share(is_half<T>(), [&](std::atomic<int64_t>& next) {
     std::vector<float> sbuf(bq * bk), dpbuf(bq * bk), kacc(bk * D), vacc(bk * Dv);
-    std::vector<T> pt(bk * bqe), dst(bk * bqe), ds(fused ? bq * bke : 0);
+    std::vector<T> pt(bk * bqe), dst(bk * bqe), ds(fused && is_half<T>() ? bq * bke : 0);
+    std::vector<float> tbuf(is_half<T>() ? 16 * 16 : 0);
     std::vector<uint8_t> vis(bk);
     std::vector<int> state(bq);
     for (int64_t w = next.fetch_add(1); w < kitems; w = next.fetch_add(1)) {
@@ -251,31 +344,31 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             const int64_t lo = hull[(b * nqb + qb) * 2], hi = hull[(b * nqb + qb) * 2 + 1];
             const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0), nqe = is_half<T>() ? even(nq) : nq;
             if (std::min(hi, k0 + n) <= std::max(lo, k0) || !states(m, b, i0, nq, k0, n, state.data())) continue;
-            const int64_t qi = (b * H + h) * nqb + qb, row0 = (b * H + h) * Lq + i0;
-            gemm_packed<T>(nq, n, D, P.qa.data() + qi * P.qasize, Dp, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
+            const int64_t row0 = (b * H + h) * Lq + i0;
+            gemm_packed<T>(nq, n, D, P.vqa.at(b, h, qb), P.vqa.ld, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
                            false);
-            gemm_packed<T>(nq, n, Dv, P.da.data() + qi * P.dasize, Dvp, P.vt.data() + blk * P.vtsize, dpbuf.data(),
+            gemm_packed<T>(nq, n, Dv, P.vda.at(b, h, qb), P.vda.ld, P.vt.data() + blk * P.vtsize, dpbuf.data(),
                            bk, false);
             for (int64_t r = 0; r < nq; ++r)
-              row_grad(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
+              row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
                        P.lse[row0 + r], P.delta[row0 + r], factor);
-            for (int64_t j = 0; j < n; ++j) {  // pᵀ and dSᵀ, (n, nq) with zero columns up to nqe
-              for (int64_t r = 0; r < nq; ++r) {
-                pt[j * bqe + r] = static_cast<T>(sbuf[r * bk + j]);
-                dst[j * bqe + r] = static_cast<T>(dpbuf[r * bk + j]);
-              }
-              for (int64_t r = nq; r < nqe; ++r) pt[j * bqe + r] = dst[j * bqe + r] = T(0);
-            }
-            gemm_packed<T>(n, Dv, nq, pt.data(), bqe, P.dp.data() + qi * P.dpsize, vacc.data(), Dv, true);
-            gemm_packed<T>(n, D, nq, dst.data(), bqe, P.qp.data() + qi * P.qpsize, kacc.data(), D, true);
+            transpose_to(sbuf.data(), bk, nq, n, bqe, tbuf.data(), pt.data());  // pᵀ, dSᵀ (n, nqe)
+            transpose_to(dpbuf.data(), bk, nq, n, bqe, tbuf.data(), dst.data());
+            gemm_packed<T>(n, Dv, nq, pt.data(), bqe, P.vdp.at(b, h, qb), vacc.data(), Dv, true);
+            gemm_packed<T>(n, D, nq, dst.data(), bqe, P.vqp.at(b, h, qb), kacc.data(), D, true);
             if (fused) {  // this lane's dQ terms of the tile
               computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
-              for (int64_t r = 0; r < nq; ++r) {
-                T* dr = ds.data() + r * bke;
-                at::vec::convert(dpbuf.data() + r * bk, dr, n);
-                for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
+              if constexpr (is_half<T>()) {
+                for (int64_t r = 0; r < nq; ++r) {
+                  T* dr = ds.data() + r * bke;
+                  round_to(dpbuf.data() + r * bk, dr, n);
+                  for (int64_t j = n; j < ne; ++j) dr[j] = T(0);
+                }
+                gemm_packed<T>(nq, D, n, ds.data(), bke, P.vk.at(b, hk, kb), dqbase + row0 * D, D, true);
+              } else {  // float operands: dS is read where it is
+                gemm_packed<T>(nq, D, n, reinterpret_cast<const T*>(dpbuf.data()), bk, P.vk.at(b, hk, kb),
+                               dqbase + row0 * D, D, true);
               }
-              gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, dqbase + row0 * D, D, true);
             }
             for (const BiasGrad* g : by_keys) {  // (Bb, Hb, 1, Lk|1): the rows summed in order
               float* d = g->d + (g->Bb == 1 ? 0 : b) * g->st.s0 + (g->Hb == 1 ? 0 : h) * g->st.s1;
@@ -293,7 +386,14 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   });
   if (fused) {  // dQ = scale · (lane 0 + lane 1 + ...), in lane order
     at::parallel_for(0, dqsize, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
+      const fVec vs(scale);
+      int64_t t = begin;
+      for (; t + fVec::size() <= end; t += fVec::size()) {
+        fVec x = fVec::loadu(dqd + t);
+        for (int64_t l = 1; l < lanes; ++l) x = x + fVec::loadu(dqlanes.data() + (l - 1) * dqsize + t);
+        (x * vs).store(dqd + t);
+      }
+      for (; t < end; ++t) {
         float x = dqd[t];
         for (int64_t l = 1; l < lanes; ++l) x += dqlanes[(l - 1) * dqsize + t];
         dqd[t] = x * scale;
@@ -317,7 +417,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       for (int64_t pair = pairs0; pair < pairs1; ++pair) {
         const int64_t b = pair / H, h = pair % H, hk = h / G;
-        const int64_t qi = pair * nqb + qb, row0 = pair * Lq + i0;
+        const int64_t row0 = pair * Lq + i0;
         const int64_t lo = hull[(b * nqb + qb) * 2], hi = hull[(b * nqb + qb) * 2 + 1];
         std::fill(qacc.begin(), qacc.end(), 0.f);
         for (int64_t kb = lo / bk; hi > lo && kb * bk < hi; ++kb) {
@@ -325,13 +425,13 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
           if (!states(m, b, i0, nq, k0, n, state.data())) continue;
           computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
           const int64_t blk = (b * Hkv + hk) * nkb + kb;
-          gemm_packed<T>(nq, n, D, P.qa.data() + qi * P.qasize, Dp, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
+          gemm_packed<T>(nq, n, D, P.vqa.at(b, h, qb), P.vqa.ld, P.kt.data() + blk * P.ktsize, sbuf.data(), bk,
                          false);
-          gemm_packed<T>(nq, n, Dv, P.da.data() + qi * P.dasize, Dvp, P.vt.data() + blk * P.vtsize, dpbuf.data(), bk,
+          gemm_packed<T>(nq, n, Dv, P.vda.at(b, h, qb), P.vda.ld, P.vt.data() + blk * P.vtsize, dpbuf.data(), bk,
                          false);
           for (int64_t r = 0; r < nq; ++r) {
             float* d = dpbuf.data() + r * bk;
-            row_grad(m, sbuf.data() + r * bk, d, b, h, i0 + r, k0, n, state[r], vis.data(), P.lse[row0 + r],
+            row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, d, b, h, i0 + r, k0, n, state[r], vis.data(), P.lse[row0 + r],
                      P.delta[row0 + r], factor);
             T* dr = ds.data() + r * bke;
             at::vec::convert(d, dr, n);
@@ -347,7 +447,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               }
             }
           }
-          gemm_packed<T>(nq, D, n, ds.data(), bke, P.k.data() + blk * P.ksize, qacc.data(), D, true);
+          gemm_packed<T>(nq, D, n, ds.data(), bke, P.vk.at(b, hk, kb), qacc.data(), D, true);
         }
         float* qout = dqd + row0 * D;
         for (int64_t t = 0; t < nq * D; ++t) qout[t] = qacc[t] * scale;
@@ -392,10 +492,10 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   }
   auto opts = q.options().dtype(at::kFloat);
   auto dq = at::zeros({B, H, Lq, D}, opts);
-  auto dk = at::zeros({B, Hkv, Lk, D}, opts);
-  auto dv = at::zeros({B, Hkv, Lk, Dv}, opts);
+  auto dk = at::empty({B, Hkv, Lk, D}, opts);  // every element written by its owner
+  auto dv = at::empty({B, Hkv, Lk, Dv}, opts);
   int64_t tiles = 0;
-  if (B * H * Lq == 0 || Lk == 0) return {dq, dk, dv, at::scalar_tensor(tiles, at::kLong)};
+  if (B * H * Lq == 0 || Lk == 0) return {dq, dk.zero_(), dv.zero_(), at::scalar_tensor(tiles, at::kLong)};
   MaskView m = make_mask(scale, intervals, keep, biases, slopes, diag, softcap, Lq);
   std::vector<BiasGrad> grads;
   for (const auto& d : dbiases) {
