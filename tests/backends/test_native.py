@@ -286,6 +286,15 @@ def test_same_bits_at_every_thread_count(dtype):
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_work_is_shared_by_the_threads(threads):
+    """The kernel's at::parallel_for runs on every thread torch is set to: ATen's parallel_for is a
+    header template, serial in code compiled without OpenMP (the kernel once ran on one thread at
+    any thread count)."""
+    with torch_threads(threads):
+        assert native.module().parallel_threads(64) == threads
+
+
 def test_inputs_are_read_through_their_strides():
     """Transposed (B, L, H, D) views, a kv head broadcast by a zero stride and a sliced last axis
     give the bits of the same values laid out contiguously."""

@@ -98,10 +98,12 @@ def _sanitize() -> bool:
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-march=native", "-std=c++17", *_capability_define()]
+    # -fopenmp: ATen's at::parallel_for is a header template that runs its body serially unless the
+    # including code is compiled with OpenMP (the libgomp it links is the one torch loaded)
+    flags = ["-O3", "-march=native", "-std=c++17", "-fopenmp", *_capability_define()]
     if _sanitize():
         flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-                 "-fno-sanitize-recover=undefined", "-march=native", "-std=c++17", *_capability_define()]
+                 "-fno-sanitize-recover=undefined", "-march=native", "-std=c++17", "-fopenmp", *_capability_define()]
     return flags
 
 
@@ -157,7 +159,7 @@ def _build(final: Path, name: str) -> Any:
     if extra:
         os.environ["PATH"] = extra + os.pathsep + path_before
     try:
-        ldflags = ["-fsanitize=address,undefined"] if _sanitize() else []
+        ldflags = ["-fopenmp", *(["-fsanitize=address,undefined"] if _sanitize() else [])]
         mod = cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"], build_directory=str(tmp),
                                  extra_cflags=_cflags(), extra_ldflags=ldflags, verbose=False)
     except BaseException:

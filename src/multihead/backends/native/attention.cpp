@@ -339,7 +339,22 @@ bool could_pack(const std::string& dtype) {
   return at::native::cpublas::could_pack(dtype == "bfloat16" ? at::kBFloat16 : at::kHalf);
 }
 
+// how many threads at::parallel_for ran a body on, over n items of grain 1 (at most n; 1 where the
+// kernel was built without OpenMP, whose at::parallel_for is serial)
+int64_t parallel_threads(int64_t n) {
+  std::vector<std::atomic<uint8_t>> seen(std::max<int64_t>(at::get_num_threads(), 1));
+  for (auto& s : seen) s.store(0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int64_t t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int64_t>(seen.size())) seen[t].store(1);
+  });
+  int64_t count = 0;
+  for (auto& s : seen) count += s.load();
+  return count;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran a body on over n items");
   mod.def("forward", &forward, "attention forward by tiles (out, lse)");
   mod.def("backward", &backward, "attention backward by tiles (dq, dk, dv, bias grads) from out and lse");
   mod.def("could_pack", &could_pack, "whether brgemm takes packed half operands of this dtype here");
