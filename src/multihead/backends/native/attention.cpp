@@ -131,6 +131,18 @@ inline float row_max(const float* s, int64_t n) {
   return top;
 }
 
+#if defined(__AVX512F__)
+// 2^(x f rounded - m) of 16 scores (the lanes of k; the others 0): (s f rounded) - m, not one
+// fused fmsub: m is the rounded f · max, so the row's largest score gives exactly 0 and no exponent
+// is positive however large f is (the explicit rounding keeps the compiler from fusing the two)
+template <int kDeg>
+inline __m512 exp_scores(const float* s, __mmask16 k, __m512 vf, __m512 vm) {
+  const __m512 x = _mm512_maskz_loadu_ps(k, s);
+  const __m512 y = _mm512_mul_round_ps(x, vf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_maskz_mov_ps(k, exp2_v<kDeg>(_mm512_sub_ps(y, vm)));
+}
+#endif
+
 // p[j] = 2^(s[j] f - m) for j < n, as T (p may be s when T is float), 0 for n <= j < ne; returns
 // the sum of the float32 values
 template <typename T>
@@ -140,20 +152,30 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
   float total = 0.f;
 #if defined(__AVX512F__)
   const __m512 vf = _mm512_set1_ps(f), vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
+  // two vectors a step, two sums (independent chains); bfloat16 converted and stored 32 at a time
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const __m512 e0 = exp_scores<kDeg>(s + j, __mmask16(0xFFFF), vf, vm);
+    const __m512 e1 = exp_scores<kDeg>(s + j + kLanes, __mmask16(0xFFFF), vf, vm);
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      continue;
+    }
+#endif
+    store_v<T>(p + j, e0, kLanes);
+    store_v<T>(p + j + kLanes, e1, kLanes);
+  }
   for (; j < n; j += kLanes) {
     const int64_t count = std::min(kLanes, n - j);
     const __mmask16 k = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-    const __m512 x = _mm512_maskz_loadu_ps(k, s + j);
-    // (s f rounded) - m, not one fused fmsub: m is the rounded f · max, so the row's largest
-    // score gives exactly 0 and no exponent is positive however large f is
-    // (the explicit rounding keeps the compiler from fusing the two into an fmsub)
-    const __m512 y = _mm512_mul_round_ps(x, vf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp2_v<kDeg>(_mm512_sub_ps(y, vm)));
-    acc = _mm512_add_ps(acc, e);
+    const __m512 e = exp_scores<kDeg>(s + j, k, vf, vm);
+    acc0 = _mm512_add_ps(acc0, e);
     store_v<T>(p + j, e, count);
   }
-  total = _mm512_reduce_add_ps(acc);
+  total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
   j = n;
 #else
   const fVec vf(f), vm(m), ln2(kLn2);
@@ -177,6 +199,15 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
   }
   for (j = n; j < ne; ++j) p[j] = T(0);
   return total;
+}
+
+// 2^x for one x <= 0 (a row's rescale): the float32-accurate polynomial where there is AVX-512
+inline float exp2_one(float x) {
+#if defined(__AVX512F__)
+  return _mm512_cvtss_f32(exp2_v<6>(_mm512_set1_ps(x)));
+#else
+  return std::exp2(x);
+#endif
 }
 
 template <typename scalar_t, typename T>
@@ -224,8 +255,15 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const int64_t qb = nqb - 1 - w / (B * H), h = w % H, b = (w / H) % B, hk = h / G;
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       const scalar_t* qbase = qd + b * qs.s0 + h * qs.s1 + i0 * qs.s2;
-      for (int64_t r = 0; r < nq; ++r)
-        for (int64_t d = 0; d < Dp; ++d) qbuf[r * Dp + d] = d < D ? cast<T>(qbase[r * qs.s2 + d * qs.s3]) : T(0);
+      for (int64_t r = 0; r < nq; ++r) {
+        T* row = qbuf.data() + r * Dp;
+        if (std::is_same<T, scalar_t>::value && qs.s3 == 1) {  // a contiguous row: copied as is
+          std::memcpy(row, qbase + r * qs.s2, D * sizeof(T));
+        } else {
+          for (int64_t d = 0; d < D; ++d) row[d] = cast<T>(qbase[r * qs.s2 + d * qs.s3]);
+        }
+        for (int64_t d = D; d < Dp; ++d) row[d] = T(0);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), kNegInf);
       std::fill(sum.begin(), sum.end(), 0.f);
@@ -258,7 +296,7 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             for (int64_t j = 0; j < ne; ++j) p[j] = T(0);
             continue;
           }
-          const float alpha = mx[r] == kNegInf ? 0.f : std::exp2(mx[r] - mnew);
+          const float alpha = mx[r] == kNegInf ? 0.f : exp2_one(mx[r] - mnew);
           // p = 2^(s · factor - mnew), summed in float32, stored rounded to the operand type
           sum[r] = sum[r] * alpha + exp_row<T>(s, n, ne, factor, mnew, p);
           mx[r] = mnew;
