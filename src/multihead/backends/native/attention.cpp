@@ -16,7 +16,8 @@
 // its sinks, documents, chunked_local), an optional (B, Lk) key keep (key padding), float32 bias
 // tensors read through broadcast strides, ALiBi (-slope_h |j - d_i|, d_i the row's diagonal key per
 // document), softcap (cap tanh(s / cap)), in the tiles' order: scale, add, softcap, hide.
-// Tiles no row of a query block sees are skipped.
+// Tiles no row of a query block sees are skipped; a tile its rows see in part (the diagonal's)
+// goes by panels of 64 rows, each over the key columns its rows see.
 //
 // Legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Lq/Lk lengths, D head dim, Dv value dim.
 
@@ -210,6 +211,20 @@ inline float exp2_one(float x) {
 #endif
 }
 
+// rows of a diagonal tile computed together (by panels), see forward_impl
+constexpr int64_t kPanel = 64;
+
+// C (m, cols) += A (m, K) B with B the first K of the Kp rows pack_b packed (K <= Kp)
+template <typename T>
+void gemm_rows(int64_t m, int64_t cols, int64_t K, int64_t Kp, const T* a, int64_t lda, const T* b, float* c,
+               int64_t ldc) {
+  const int64_t Ke = is_half<T>() ? even(K) : K, Kpe = is_half<T>() ? even(Kp) : Kp;
+  for (int64_t ch = 0; ch < chunks(cols); ++ch) {
+    const int64_t c0 = ch * kChunk, nc = std::min(kChunk, cols - c0), ld = up16(nc);
+    at::native::cpublas::brgemm(m, nc, Ke, lda, ld, ldc, true, a, b + ch * Kpe * kChunk, c + c0, is_half<T>());
+  }
+}
+
 template <typename scalar_t, typename T>
 int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskView& m,
                      int64_t bq, int64_t bk, at::Tensor& out, at::Tensor& lse) {
@@ -279,36 +294,53 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         if (!any) continue;
         computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
         const int64_t blk = (b * Hkv + hk) * nkb + kb;
-        gemm_packed<T>(nq, n, D, qbuf.data(), Dp, kp.get() + blk * ksize, sbuf.data(), ldp, false);
-        for (int64_t r = 0; r < nq; ++r) {
-          float* s = sbuf.data() + r * ldp;
-          T* p = pbuf(r);
-          if (state[r] == 0) {
-            for (int64_t j = 0; j < ne; ++j) p[j] = T(0);
-            continue;
+        // a tile every row sees whole is one panel; a partly seen one (a diagonal tile) goes by
+        // panels of kPanel rows, each over the key columns up to its rows' last visible key
+        // (whole chunks of kChunk), so the keys no row of a panel sees are not computed
+        bool whole = true;
+        for (int64_t r = 0; r < nq && whole; ++r) whole = state[r] == 2;
+        const int64_t panel = whole ? nq : kPanel;
+        for (int64_t r0 = 0; r0 < nq; r0 += panel) {
+          const int64_t nr = std::min(panel, nq - r0);
+          int64_t nn = n;
+          if (!whole) {
+            int64_t plo, phi;
+            m.hull(b, i0 + r0, i0 + r0 + nr, Lk, plo, phi);
+            if (phi <= k0 || plo >= k0 + n || phi <= plo) continue;  // no row of the panel sees this block
+            nn = std::min(n, (phi - k0 + kChunk - 1) / kChunk * kChunk);
           }
-          m.finish_row(s, b, h, i0 + r, k0, n, state[r], vis.data());
-          float top = row_max(s, n);
-          if (top == kNegInf && std::any_of(s, s + n, [](float x) { return std::isnan(x); })) top = NAN;
-          top *= factor;
-          const float mnew = std::isnan(top) ? top : std::max(mx[r], top);
-          if (mnew == kNegInf) {  // nothing seen yet in this row
-            for (int64_t j = 0; j < ne; ++j) p[j] = T(0);
-            continue;
+          const int64_t nee = is_half<T>() ? even(nn) : nn;
+          gemm_packed<T>(nr, nn, D, qbuf.data() + r0 * Dp, Dp, kp.get() + blk * ksize, sbuf.data() + r0 * ldp, ldp, false);
+          for (int64_t r = r0; r < r0 + nr; ++r) {
+            float* s = sbuf.data() + r * ldp;
+            T* p = pbuf(r);
+            if (state[r] == 0) {
+              for (int64_t j = 0; j < nee; ++j) p[j] = T(0);
+              continue;
+            }
+            m.finish_row(s, b, h, i0 + r, k0, nn, state[r], vis.data());
+            float top = row_max(s, nn);
+            if (top == kNegInf && std::any_of(s, s + nn, [](float x) { return std::isnan(x); })) top = NAN;
+            top *= factor;
+            const float mnew = std::isnan(top) ? top : std::max(mx[r], top);
+            if (mnew == kNegInf) {  // nothing seen yet in this row
+              for (int64_t j = 0; j < nee; ++j) p[j] = T(0);
+              continue;
+            }
+            const float alpha = mx[r] == kNegInf ? 0.f : exp2_one(mx[r] - mnew);
+            // p = 2^(s · factor - mnew), summed in float32, stored rounded to the operand type
+            sum[r] = sum[r] * alpha + exp_row<T>(s, nn, nee, factor, mnew, p);
+            mx[r] = mnew;
+            if (alpha != 1.f) {
+              float* a = acc.data() + r * Dv;
+              const fVec va(alpha);
+              int64_t d = 0;
+              for (; d + fVec::size() <= Dv; d += fVec::size()) (fVec::loadu(a + d) * va).store(a + d);
+              for (; d < Dv; ++d) a[d] *= alpha;
+            }
           }
-          const float alpha = mx[r] == kNegInf ? 0.f : exp2_one(mx[r] - mnew);
-          // p = 2^(s · factor - mnew), summed in float32, stored rounded to the operand type
-          sum[r] = sum[r] * alpha + exp_row<T>(s, n, ne, factor, mnew, p);
-          mx[r] = mnew;
-          if (alpha != 1.f) {
-            float* a = acc.data() + r * Dv;
-            const fVec va(alpha);
-            int64_t d = 0;
-            for (; d + fVec::size() <= Dv; d += fVec::size()) (fVec::loadu(a + d) * va).store(a + d);
-            for (; d < Dv; ++d) a[d] *= alpha;
-          }
+          gemm_rows<T>(nr, Dv, nn, n, pbuf(r0), ldp, vp.get() + blk * vsize, acc.data() + r0 * Dv, Dv);
         }
-        gemm_packed<T>(nq, Dv, n, pbuf(0), ldp, vp.get() + blk * vsize, acc.data(), Dv, true);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t row = (b * H + h) * Lq + i0 + r;
