@@ -20,7 +20,8 @@ structural parts' per-row key intervals, key padding, bias tensors, ALiBi and so
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 
 Build: :func:`module` compiles ``attention.cpp`` and ``backward.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
-machine's C++ compiler, ``-O3 -march=native``) into a cache directory named after the sources'
+machine's C++ compiler, ``-O3 -march=native -fopenmp``: ATen's ``at::parallel_for`` is serial in
+code built without OpenMP) into a cache directory named after the sources'
 hash, the torch version, the compile flags and the CPU's feature flags, so a kernel built for
 another CPU or torch is never loaded (another CPU gets a directory of its own and a build). A
 build is made in a fresh temporary directory and renamed into place only when complete, so an
