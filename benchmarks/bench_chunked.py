@@ -28,8 +28,10 @@ visible (query, key) pair. The matmul rate of the same run is printed for scale.
   the bf16 matmul rate measured in the same run, and (``--no-memory`` skips it;
   ``--issue22-memory`` runs only it) the peak extra memory of a causal forward+backward at
   L=32768 in a fresh process; the CPU model and features are printed.
+* the threads' share (``--scaling``): the causal forward at L=4096 by the native kernel and SDPA
+  at 1 and 2 threads, wall and process CPU time of each (does each kernel share its work?).
 
-``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13] [--issue22] [--issue22-memory]``;
+``python benchmarks/bench_chunked.py [--quick] [--length L] [--blocks 256x1024,128x2048] [--issue13] [--issue22] [--issue22-memory] [--scaling]``;
 ``main(quick=...)`` returns the markdown report (for ``python -m benchmarks``).
 """
 
@@ -42,6 +44,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -441,6 +444,44 @@ def peak_extra_bytes(which: str, L: int, timeout_s: float = 1800) -> int:
 # ---------------------------------------------------------------- report
 
 
+def scaling_report(rounds: int, threads=(1, 2)) -> list[str]:
+    """Causal forward at L=4096 (H=8), the native kernel and SDPA at each thread count, side by
+    side: fastest wall seconds and the process CPU seconds of that call (a kernel that shares its
+    work runs in about 1/n of its 1-thread wall time at the same CPU time; a serial one does not)."""
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    lines = ["| case | threads | native wall ms | native CPU ms | SDPA wall ms | SDPA CPU ms | native / SDPA (wall) |",
+             "|---|---|---|---|---|---|---|"]
+    before = torch.get_num_threads()
+    try:
+        for D in (64, 128):
+            for dtype in (torch.float32, torch.bfloat16):
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(1, 8, 4096, D, generator=g).to(dtype) for _ in range(3))
+                cands = {"native": _kernel("native", lambda: chunked_attention(q, k, v, masks.causal())),
+                         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+                for n in threads:
+                    torch.set_num_threads(n)
+                    best = {name: (float("inf"), 0.0) for name in cands}
+                    for fn in cands.values():
+                        fn()
+                    for _ in range(rounds):
+                        for name, fn in cands.items():
+                            w0, c0 = time.perf_counter(), cpu()
+                            fn()
+                            w, c = time.perf_counter() - w0, cpu() - c0
+                            best[name] = min(best[name], (w, c))
+                    (nw, nc), (sw, sc) = best["native"], best["sdpa"]
+                    lines.append(f"| causal forward, D={D}, {str(dtype)[6:]} | {n} | {nw * 1e3:.0f} | {nc * 1e3:.0f} | "
+                                 f"{sw * 1e3:.0f} | {sc * 1e3:.0f} | {nw / sw:.2f} |")
+                    print(lines[-1], flush=True)
+    finally:
+        torch.set_num_threads(before)
+    return lines
+
+
 def main(argv=None, *, quick: bool = False) -> str:
     p = argparse.ArgumentParser(prog="bench_chunked", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="L = 8192, two rounds")
@@ -452,6 +493,7 @@ def main(argv=None, *, quick: bool = False) -> str:
     p.add_argument("--issue13", action="store_true", help="only issue 13's rows (causal fp32/bf16 at 4096, packed)")
     p.add_argument("--issue22", action="store_true", help="only issue 22's rows: the native kernel vs SDPA")
     p.add_argument("--issue22-memory", action="store_true", help="only issue 22's memory target (L=32768)")
+    p.add_argument("--scaling", action="store_true", help="the native kernel and SDPA at 1 and 2 threads (wall and CPU time)")
     args = p.parse_args([] if argv is None else argv)
     quick = quick or args.quick
     L = args.length or (8192 if quick else 32768)
@@ -463,6 +505,10 @@ def main(argv=None, *, quick: bool = False) -> str:
     if args.issue22_memory:
         extra = peak_extra_bytes("causal-chunked+backward", 32768)
         report = f"causal forward+backward at L=32768: peak extra memory {extra / 2 ** 20:.0f} MiB"
+        print(report)
+        return report
+    if args.scaling:
+        report = "\n".join([head, ""] + scaling_report(rounds))
         print(report)
         return report
     if args.issue22:

@@ -20,7 +20,8 @@ structural parts' per-row key intervals, key padding, bias tensors, ALiBi and so
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 
 Build: :func:`module` compiles ``attention.cpp`` and ``backward.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
-machine's C++ compiler, ``-O3 -march=native``) into a cache directory named after the sources'
+machine's C++ compiler, ``-O3 -march=native -fopenmp``: ATen's ``at::parallel_for`` is serial in
+code built without OpenMP) into a cache directory named after the sources'
 hash, the torch version, the compile flags and the CPU's feature flags, so a kernel built for
 another CPU or torch is never loaded (another CPU gets a directory of its own and a build). A
 build is made in a fresh temporary directory and renamed into place only when complete, so an
@@ -98,10 +99,12 @@ def _sanitize() -> bool:
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-march=native", "-std=c++17", *_capability_define()]
+    # -fopenmp: ATen's at::parallel_for is a header template that runs its body serially unless the
+    # including code is compiled with OpenMP (the libgomp it links is the one torch loaded)
+    flags = ["-O3", "-march=native", "-std=c++17", "-fopenmp", *_capability_define()]
     if _sanitize():
         flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-                 "-fno-sanitize-recover=undefined", "-march=native", "-std=c++17", *_capability_define()]
+                 "-fno-sanitize-recover=undefined", "-march=native", "-std=c++17", "-fopenmp", *_capability_define()]
     return flags
 
 
@@ -157,7 +160,7 @@ def _build(final: Path, name: str) -> Any:
     if extra:
         os.environ["PATH"] = extra + os.pathsep + path_before
     try:
-        ldflags = ["-fsanitize=address,undefined"] if _sanitize() else []
+        ldflags = ["-fopenmp", *(["-fsanitize=address,undefined"] if _sanitize() else [])]
         mod = cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"], build_directory=str(tmp),
                                  extra_cflags=_cflags(), extra_ldflags=ldflags, verbose=False)
     except BaseException:

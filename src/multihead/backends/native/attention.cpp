@@ -16,7 +16,8 @@
 // its sinks, documents, chunked_local), an optional (B, Lk) key keep (key padding), float32 bias
 // tensors read through broadcast strides, ALiBi (-slope_h |j - d_i|, d_i the row's diagonal key per
 // document), softcap (cap tanh(s / cap)), in the tiles' order: scale, add, softcap, hide.
-// Tiles no row of a query block sees are skipped.
+// Tiles no row of a query block sees are skipped; a tile its rows see in part (the diagonal's)
+// goes by panels of 64 rows, each over the key columns its rows see.
 //
 // Legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Lq/Lk lengths, D head dim, Dv value dim.
 
@@ -131,6 +132,18 @@ inline float row_max(const float* s, int64_t n) {
   return top;
 }
 
+#if defined(__AVX512F__)
+// 2^(x f rounded - m) of 16 scores (the lanes of k; the others 0): (s f rounded) - m, not one
+// fused fmsub: m is the rounded f · max, so the row's largest score gives exactly 0 and no exponent
+// is positive however large f is (the explicit rounding keeps the compiler from fusing the two)
+template <int kDeg>
+inline __m512 exp_scores(const float* s, __mmask16 k, __m512 vf, __m512 vm) {
+  const __m512 x = _mm512_maskz_loadu_ps(k, s);
+  const __m512 y = _mm512_mul_round_ps(x, vf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_maskz_mov_ps(k, exp2_v<kDeg>(_mm512_sub_ps(y, vm)));
+}
+#endif
+
 // p[j] = 2^(s[j] f - m) for j < n, as T (p may be s when T is float), 0 for n <= j < ne; returns
 // the sum of the float32 values
 template <typename T>
@@ -140,20 +153,30 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
   float total = 0.f;
 #if defined(__AVX512F__)
   const __m512 vf = _mm512_set1_ps(f), vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
+  // two vectors a step, two sums (independent chains); bfloat16 converted and stored 32 at a time
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const __m512 e0 = exp_scores<kDeg>(s + j, __mmask16(0xFFFF), vf, vm);
+    const __m512 e1 = exp_scores<kDeg>(s + j + kLanes, __mmask16(0xFFFF), vf, vm);
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      continue;
+    }
+#endif
+    store_v<T>(p + j, e0, kLanes);
+    store_v<T>(p + j + kLanes, e1, kLanes);
+  }
   for (; j < n; j += kLanes) {
     const int64_t count = std::min(kLanes, n - j);
     const __mmask16 k = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-    const __m512 x = _mm512_maskz_loadu_ps(k, s + j);
-    // (s f rounded) - m, not one fused fmsub: m is the rounded f · max, so the row's largest
-    // score gives exactly 0 and no exponent is positive however large f is
-    // (the explicit rounding keeps the compiler from fusing the two into an fmsub)
-    const __m512 y = _mm512_mul_round_ps(x, vf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp2_v<kDeg>(_mm512_sub_ps(y, vm)));
-    acc = _mm512_add_ps(acc, e);
+    const __m512 e = exp_scores<kDeg>(s + j, k, vf, vm);
+    acc0 = _mm512_add_ps(acc0, e);
     store_v<T>(p + j, e, count);
   }
-  total = _mm512_reduce_add_ps(acc);
+  total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
   j = n;
 #else
   const fVec vf(f), vm(m), ln2(kLn2);
@@ -177,6 +200,29 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
   }
   for (j = n; j < ne; ++j) p[j] = T(0);
   return total;
+}
+
+// 2^x for one x <= 0 (a row's rescale): the float32-accurate polynomial where there is AVX-512
+inline float exp2_one(float x) {
+#if defined(__AVX512F__)
+  return _mm512_cvtss_f32(exp2_v<6>(_mm512_set1_ps(x)));
+#else
+  return std::exp2(x);
+#endif
+}
+
+// rows of a diagonal tile computed together (by panels), see forward_impl
+constexpr int64_t kPanel = 64;
+
+// C (m, cols) += A (m, K) B with B the first K of the Kp rows pack_b packed (K <= Kp)
+template <typename T>
+void gemm_rows(int64_t m, int64_t cols, int64_t K, int64_t Kp, const T* a, int64_t lda, const T* b, float* c,
+               int64_t ldc) {
+  const int64_t Ke = is_half<T>() ? even(K) : K, Kpe = is_half<T>() ? even(Kp) : Kp;
+  for (int64_t ch = 0; ch < chunks(cols); ++ch) {
+    const int64_t c0 = ch * kChunk, nc = std::min(kChunk, cols - c0), ld = up16(nc);
+    at::native::cpublas::brgemm(m, nc, Ke, lda, ld, ldc, true, a, b + ch * Kpe * kChunk, c + c0, is_half<T>());
+  }
 }
 
 template <typename scalar_t, typename T>
@@ -224,8 +270,15 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const int64_t qb = nqb - 1 - w / (B * H), h = w % H, b = (w / H) % B, hk = h / G;
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       const scalar_t* qbase = qd + b * qs.s0 + h * qs.s1 + i0 * qs.s2;
-      for (int64_t r = 0; r < nq; ++r)
-        for (int64_t d = 0; d < Dp; ++d) qbuf[r * Dp + d] = d < D ? cast<T>(qbase[r * qs.s2 + d * qs.s3]) : T(0);
+      for (int64_t r = 0; r < nq; ++r) {
+        T* row = qbuf.data() + r * Dp;
+        if (std::is_same<T, scalar_t>::value && qs.s3 == 1) {  // a contiguous row: copied as is
+          std::memcpy(row, qbase + r * qs.s2, D * sizeof(T));
+        } else {
+          for (int64_t d = 0; d < D; ++d) row[d] = cast<T>(qbase[r * qs.s2 + d * qs.s3]);
+        }
+        for (int64_t d = D; d < Dp; ++d) row[d] = T(0);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), kNegInf);
       std::fill(sum.begin(), sum.end(), 0.f);
@@ -241,36 +294,53 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         if (!any) continue;
         computed[qb * nkb + kb].store(1, std::memory_order_relaxed);
         const int64_t blk = (b * Hkv + hk) * nkb + kb;
-        gemm_packed<T>(nq, n, D, qbuf.data(), Dp, kp.get() + blk * ksize, sbuf.data(), ldp, false);
-        for (int64_t r = 0; r < nq; ++r) {
-          float* s = sbuf.data() + r * ldp;
-          T* p = pbuf(r);
-          if (state[r] == 0) {
-            for (int64_t j = 0; j < ne; ++j) p[j] = T(0);
-            continue;
+        // a tile every row sees whole is one panel; a partly seen one (a diagonal tile) goes by
+        // panels of kPanel rows, each over the key columns up to its rows' last visible key
+        // (whole chunks of kChunk), so the keys no row of a panel sees are not computed
+        bool whole = true;
+        for (int64_t r = 0; r < nq && whole; ++r) whole = state[r] == 2;
+        const int64_t panel = whole ? nq : kPanel;
+        for (int64_t r0 = 0; r0 < nq; r0 += panel) {
+          const int64_t nr = std::min(panel, nq - r0);
+          int64_t nn = n;
+          if (!whole) {
+            int64_t plo, phi;
+            m.hull(b, i0 + r0, i0 + r0 + nr, Lk, plo, phi);
+            if (phi <= k0 || plo >= k0 + n || phi <= plo) continue;  // no row of the panel sees this block
+            nn = std::min(n, (phi - k0 + kChunk - 1) / kChunk * kChunk);
           }
-          m.finish_row(s, b, h, i0 + r, k0, n, state[r], vis.data());
-          float top = row_max(s, n);
-          if (top == kNegInf && std::any_of(s, s + n, [](float x) { return std::isnan(x); })) top = NAN;
-          top *= factor;
-          const float mnew = std::isnan(top) ? top : std::max(mx[r], top);
-          if (mnew == kNegInf) {  // nothing seen yet in this row
-            for (int64_t j = 0; j < ne; ++j) p[j] = T(0);
-            continue;
+          const int64_t nee = is_half<T>() ? even(nn) : nn;
+          gemm_packed<T>(nr, nn, D, qbuf.data() + r0 * Dp, Dp, kp.get() + blk * ksize, sbuf.data() + r0 * ldp, ldp, false);
+          for (int64_t r = r0; r < r0 + nr; ++r) {
+            float* s = sbuf.data() + r * ldp;
+            T* p = pbuf(r);
+            if (state[r] == 0) {
+              for (int64_t j = 0; j < nee; ++j) p[j] = T(0);
+              continue;
+            }
+            m.finish_row(s, b, h, i0 + r, k0, nn, state[r], vis.data());
+            float top = row_max(s, nn);
+            if (top == kNegInf && std::any_of(s, s + nn, [](float x) { return std::isnan(x); })) top = NAN;
+            top *= factor;
+            const float mnew = std::isnan(top) ? top : std::max(mx[r], top);
+            if (mnew == kNegInf) {  // nothing seen yet in this row
+              for (int64_t j = 0; j < nee; ++j) p[j] = T(0);
+              continue;
+            }
+            const float alpha = mx[r] == kNegInf ? 0.f : exp2_one(mx[r] - mnew);
+            // p = 2^(s · factor - mnew), summed in float32, stored rounded to the operand type
+            sum[r] = sum[r] * alpha + exp_row<T>(s, nn, nee, factor, mnew, p);
+            mx[r] = mnew;
+            if (alpha != 1.f) {
+              float* a = acc.data() + r * Dv;
+              const fVec va(alpha);
+              int64_t d = 0;
+              for (; d + fVec::size() <= Dv; d += fVec::size()) (fVec::loadu(a + d) * va).store(a + d);
+              for (; d < Dv; ++d) a[d] *= alpha;
+            }
           }
-          const float alpha = mx[r] == kNegInf ? 0.f : std::exp2(mx[r] - mnew);
-          // p = 2^(s · factor - mnew), summed in float32, stored rounded to the operand type
-          sum[r] = sum[r] * alpha + exp_row<T>(s, n, ne, factor, mnew, p);
-          mx[r] = mnew;
-          if (alpha != 1.f) {
-            float* a = acc.data() + r * Dv;
-            const fVec va(alpha);
-            int64_t d = 0;
-            for (; d + fVec::size() <= Dv; d += fVec::size()) (fVec::loadu(a + d) * va).store(a + d);
-            for (; d < Dv; ++d) a[d] *= alpha;
-          }
+          gemm_rows<T>(nr, Dv, nn, n, pbuf(r0), ldp, vp.get() + blk * vsize, acc.data() + r0 * Dv, Dv);
         }
-        gemm_packed<T>(nq, Dv, n, pbuf(0), ldp, vp.get() + blk * vsize, acc.data(), Dv, true);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t row = (b * H + h) * Lq + i0 + r;
@@ -339,7 +409,22 @@ bool could_pack(const std::string& dtype) {
   return at::native::cpublas::could_pack(dtype == "bfloat16" ? at::kBFloat16 : at::kHalf);
 }
 
+// how many threads at::parallel_for ran a body on, over n items of grain 1 (at most n; 1 where the
+// kernel was built without OpenMP, whose at::parallel_for is serial)
+int64_t parallel_threads(int64_t n) {
+  std::vector<std::atomic<uint8_t>> seen(std::max<int64_t>(at::get_num_threads(), 1));
+  for (auto& s : seen) s.store(0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int64_t t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int64_t>(seen.size())) seen[t].store(1);
+  });
+  int64_t count = 0;
+  for (auto& s : seen) count += s.load();
+  return count;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran a body on over n items");
   mod.def("forward", &forward, "attention forward by tiles (out, lse)");
   mod.def("backward", &backward, "attention backward by tiles (dq, dk, dv, bias grads) from out and lse");
   mod.def("could_pack", &could_pack, "whether brgemm takes packed half operands of this dtype here");
