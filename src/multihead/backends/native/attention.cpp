@@ -55,43 +55,11 @@ void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t bk, int64_t ksize
   });
 }
 
-// -- the exponentials: 2^x with x = n + f, n = round(x), |f| <= 1/2, 2^f by a polynomial fitted
-// to relative error (degree 6: 2e-8, below float32's rounding; degree 4: 3e-6, far below the
-// rounding of p to a half type for the p v product); -inf gives 0, NaN stays NaN
-template <int kDeg>
-struct Exp2Poly;
-template <>
-struct Exp2Poly<4> {
-  static constexpr float c[5] = {0.99999928f, 0.69312185f, 0.24024744f, 0.055917475f, 0.0095699867f};
-};
-template <>
-struct Exp2Poly<6> {
-  static constexpr float c[7] = {1.0f, 0.69314718f, 0.24022615f, 0.055503294f, 0.0096208910f,
-                                 0.0013399184f, 0.00014804561f};
-};
-
-// the degree a T's p needs: float32 keeps float32 accuracy, a half type is rounded after it
-template <typename T>
-constexpr int exp_degree() {
-  return is_half<T>() ? 4 : 6;
-}
+// -- the exponentials: 2^x by common.h's exp2_poly (shared with the backward)
 
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 using fReg = __m512;
-
-template <int kDeg>
-inline __m512 exp2_v(__m512 x) {
-  // below 2^-126 the result is 0 by a mask: a denormal result would cost a microcode assist
-  // (masked -inf scores take this path); NaN compares "not less" and goes through
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);
-  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-126.f), x);  // NaN: max returns its second operand
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(Exp2Poly<kDeg>::c[kDeg]);
-  for (int i = kDeg - 1; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(Exp2Poly<kDeg>::c[i]));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
 
 // store 16 floats (the first `count`) as T
 template <typename T>
@@ -140,7 +108,7 @@ template <int kDeg>
 inline __m512 exp_scores(const float* s, __mmask16 k, __m512 vf, __m512 vm) {
   const __m512 x = _mm512_maskz_loadu_ps(k, s);
   const __m512 y = _mm512_mul_round_ps(x, vf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_maskz_mov_ps(k, exp2_v<kDeg>(_mm512_sub_ps(y, vm)));
+  return _mm512_maskz_mov_ps(k, exp2_poly<kDeg>(_mm512_sub_ps(y, vm)));
 }
 #endif
 
@@ -205,7 +173,7 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
 // 2^x for one x <= 0 (a row's rescale): the float32-accurate polynomial where there is AVX-512
 inline float exp2_one(float x) {
 #if defined(__AVX512F__)
-  return _mm512_cvtss_f32(exp2_v<6>(_mm512_set1_ps(x)));
+  return _mm512_cvtss_f32(exp2_poly<6>(_mm512_set1_ps(x)));
 #else
   return std::exp2(x);
 #endif

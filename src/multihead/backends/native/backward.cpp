@@ -173,12 +173,6 @@ void pack_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   });
 }
 
-// the exponential's polynomial degree for p rounded to T (exp2_poly)
-template <typename T>
-constexpr int exp_deg() {
-  return is_half<T>() ? 4 : 6;
-}
-
 // One row of a tile: s (q·kᵀ) becomes p = exp(score - lse), dp (dO·vᵀ) becomes dS of the score
 // before the softcap, p (dp - delta) softcap'; a row that sees no key of the tile gets zeros.
 template <int Deg>
@@ -350,7 +344,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
             gemm_packed<T>(nq, n, Dv, P.vda.at(b, h, qb), P.vda.ld, P.vt.data() + blk * P.vtsize, dpbuf.data(),
                            bk, false);
             for (int64_t r = 0; r < nq; ++r)
-              row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
+              row_grad<exp_degree<T>()>(m, sbuf.data() + r * bk, dpbuf.data() + r * bk, b, h, i0 + r, k0, n, state[r], vis.data(),
                        P.lse[row0 + r], P.delta[row0 + r], factor);
             transpose_to(sbuf.data(), bk, nq, n, bqe, tbuf.data(), pt.data());  // pᵀ, dSᵀ (n, nqe)
             transpose_to(dpbuf.data(), bk, nq, n, bqe, tbuf.data(), dst.data());
@@ -431,7 +425,7 @@ int64_t backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                          false);
           for (int64_t r = 0; r < nq; ++r) {
             float* d = dpbuf.data() + r * bk;
-            row_grad<exp_deg<T>()>(m, sbuf.data() + r * bk, d, b, h, i0 + r, k0, n, state[r], vis.data(), P.lse[row0 + r],
+            row_grad<exp_degree<T>()>(m, sbuf.data() + r * bk, d, b, h, i0 + r, k0, n, state[r], vis.data(), P.lse[row0 + r],
                      P.delta[row0 + r], factor);
             T* dr = ds.data() + r * bke;
             at::vec::convert(d, dr, n);

@@ -239,9 +239,8 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
                                  const c10::optional<at::Tensor>& diag, double softcap, int64_t block_q,
                                  int64_t block_k, bool half_products);
 
-// -- for the backward (backward.cpp): float32 rows rounded to T, and 2^x by a polynomial. The
-// exponential repeats attention.cpp's exp2_v (same coefficients) under its own name while both
-// files change apace: one copy to keep, for the merge to settle.
+// -- float32 rows rounded to T, and 2^x by a polynomial (the forward's and the backward's one
+// exponential).
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -267,6 +266,13 @@ inline void round_to(const float* src, T* dst, int64_t n) {
   } else {
     at::vec::convert(src, dst, n);
   }
+}
+
+// the exponential's polynomial degree for p of type T: float32 keeps float32 accuracy, a half type
+// is rounded after it
+template <typename T>
+constexpr int exp_degree() {
+  return is_half<T>() ? 4 : 6;
 }
 
 #if defined(__AVX512F__)
