@@ -459,12 +459,38 @@ def test_explain_dispatch_names_the_kernel_and_the_cpu_features(monkeypatch):
 def test_auto_runs_masks_sdpa_would_densify_on_the_native_kernel(monkeypatch):
     """Issue 22 item 6, the measured rule (sdpa.NATIVE_FIRST; figures in docs/benchmarks.md): a
     window at L=4096 goes to chunked where its native kernel runs (SDPA would need a dense mask),
-    to sdpa with the native kernel off; plain causal stays on SDPA's is_causal kernel."""
+    to sdpa with the native kernel off; plain causal in float32 with gradients stays on SDPA's
+    is_causal kernel (plain causal's own rule: the next test)."""
     q = torch.randn(1, 2, 4096, 8)
     d = multihead.explain_dispatch(q, q, q, masks.window(512))
     assert d.backend == "chunked" and "native kernel" in d.refused["sdpa"]
-    assert multihead.explain_dispatch(q, q, q, masks.causal()).backend == "sdpa"
+    g = q.clone().requires_grad_(True)
+    assert multihead.explain_dispatch(g, g, g, masks.causal()).backend == "sdpa"
     with tile_kernel_as("torch tiles"):
         assert multihead.explain_dispatch(q, q, q, masks.window(512)).backend == "sdpa"
     monkeypatch.setattr(multihead.backends.sdpa, "NATIVE_FIRST", False)
     assert multihead.explain_dispatch(q, q, q, masks.window(512)).backend == "sdpa"
+
+
+@pytest.mark.parametrize("dtype, grad, L, backend", [
+    (torch.float32, False, 2048, "chunked"), (torch.float32, False, 2047, "sdpa"), (torch.float32, True, 4096, "sdpa"),
+    (torch.bfloat16, True, 2048, "chunked"), (torch.bfloat16, True, 2047, "sdpa"), (torch.bfloat16, False, 4096, "sdpa"),
+    (torch.float16, False, 4096, "sdpa"),
+])
+def test_auto_runs_plain_causal_on_the_native_kernel_where_it_was_measured_faster(monkeypatch, dtype, grad, L, backend):
+    """Issue 22 item 6 for plain causal (sdpa.PLAIN_CAUSAL_MIN_LENGTH; figures in docs/benchmarks.md):
+    float32 inference and bfloat16 training from 2048 tokens go to the native kernel, the rest stays on
+    SDPA's causal kernel; auto's output is then chunked's, bit for bit (the kernel's accuracy is held to
+    the oracle by the tests above), and with the native kernel off or NATIVE_FIRST = False sdpa keeps
+    every case."""
+    q, k, v = (torch.randn(1, 2, L, 8, dtype=dtype).requires_grad_(grad) for _ in range(3))
+    d = multihead.explain_dispatch(q, k, v, masks.causal())
+    assert d.backend == backend
+    if backend == "chunked":
+        assert "measured faster than SDPA's causal kernel" in d.refused["sdpa"]
+        got = multihead.attention(q, k, v, masks.causal())
+        assert torch.equal(got, multihead.attention(q, k, v, masks.causal(), backend="chunked"))
+        with tile_kernel_as("torch tiles"):
+            assert multihead.explain_dispatch(q, k, v, masks.causal()).backend == "sdpa"
+        monkeypatch.setattr(multihead.backends.sdpa, "NATIVE_FIRST", False)
+        assert multihead.explain_dispatch(q, k, v, masks.causal()).backend == "sdpa"

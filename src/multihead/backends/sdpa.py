@@ -234,6 +234,28 @@ def _within_any_budget(call: Call) -> bool:
 #: mask leaves visible, SDPA every score (measured side by side: docs/benchmarks.md, issue 22).
 #: Packed documents keep flex's own measured rule (flex comes before chunked in the auto order).
 NATIVE_FIRST = True
+#: Plain causal self-attention (Lq = Lk) on the CPU from this many tokens on goes to the native kernel
+#: where it was measured faster than SDPA's own causal kernel side by side (docs/benchmarks.md, issue
+#: 22; 2 threads, D=64): float32 without gradients and bfloat16 with gradients (forward + backward).
+#: Elsewhere (float32 training, bfloat16 inference) SDPA was as fast or faster and keeps the call;
+#: shorter calls stay below chunked's own AUTO_MIN_SCORES.
+PLAIN_CAUSAL_MIN_LENGTH = 2048
+
+
+def _grad_needed(call: Call) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
+
+
+def _native_wins_plain_causal(call: Call) -> bool:
+    """Whether a plain causal call falls where the native kernel was measured faster (see
+    :data:`PLAIN_CAUSAL_MIN_LENGTH`)."""
+    lq, lk = call.q.shape[2], call.k.shape[2]
+    if lq != lk or call.dropout_p or call.need_weights:
+        return False
+    if lq < PLAIN_CAUSAL_MIN_LENGTH:
+        return False
+    training = _grad_needed(call)
+    return (call.q.dtype == torch.float32 and not training) or (call.q.dtype == torch.bfloat16 and training)
 
 
 def _native_runs_it(call: Call) -> Optional[str]:
@@ -242,7 +264,10 @@ def _native_runs_it(call: Call) -> Optional[str]:
     if not NATIVE_FIRST or mask is None or call.q.device.type != "cpu" or call.under_compile:
         return None
     shape = (*call.q.shape[:3], call.k.shape[2])
-    if _is_kernel_causal(mask, shape) or not any(p.is_structural or p.kind == "padding" for p in mask.parts):
+    plain_causal = _is_kernel_causal(mask, shape)
+    if plain_causal and not _native_wins_plain_causal(call):
+        return None
+    if not plain_causal and not any(p.is_structural or p.kind == "padding" for p in mask.parts):
         return None
     if any(p.kind == "documents" for p in mask.parts):  # flex's measured rule comes first for those
         return None
@@ -252,6 +277,10 @@ def _native_runs_it(call: Call) -> Optional[str]:
     kernel = _tiles.kernel_for(call.q, call.k, call.v, mask, scale=1.0, mask_shape=shape)
     if not kernel.startswith("native"):
         return None
+    if plain_causal:
+        return ("chunked's native kernel was measured faster than SDPA's causal kernel for plain causal "
+                f"{'bfloat16 training' if call.q.dtype == torch.bfloat16 else 'float32 inference'} at this length "
+                "(docs/benchmarks.md; sdpa.NATIVE_FIRST = False keeps sdpa first)")
     return ("chunked's native kernel runs this mask and computes only the tiles it leaves visible, where SDPA "
             "would compute every score through a dense mask (measured faster: docs/benchmarks.md; "
             "sdpa.NATIVE_FIRST = False keeps sdpa first)")
