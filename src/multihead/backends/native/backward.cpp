@@ -5,6 +5,9 @@
 //   p = exp(s - lse), dV += pᵀ dO, dP = dO vᵀ, dS = p ⊙ (dP - delta) · softcap'(s),
 //   dQ += dS k · scale, dK += dSᵀ q · scale, d(bias) += dS,   delta = rowsum(dO ⊙ out) - g_lse.
 //
+// One concept past 500 lines: the passes of one backward (the key pass; with bias gradients the key
+// and query passes) and the per-row gradient they share.
+//
 // Deterministic at every thread count, without atomics: every output element is owned by one work
 // item that adds its terms in a fixed order. The key pass: an item per (batch, kv head, lane of key
 // blocks) forms each of its key blocks' dK and dV over the G query heads and the query blocks in
