@@ -176,17 +176,6 @@ def _backend_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
 # -- dispatch
 
 
-def _grad_needed(call: Call) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    tensors = [call.q, call.k, call.v]
-    if call.mask is not None:  # the mask's float tensors: biases, alibi slopes, sinks, a score_mod's
-        tensors += list(call.mask.tensors)
-        for p in call.mask.parts:
-            tensors += [t for name in ("tensor", "slopes", "logits") if isinstance(t := getattr(p, name, None), torch.Tensor)]
-    return any(t.requires_grad for t in tensors)
-
-
 def _refuses(call: Call) -> Optional[str]:
     if call.dropout_p > 0:
         return "torch's flex_attention has no dropout; use 'sdpa' or 'reference'"
@@ -200,7 +189,7 @@ def _refuses(call: Call) -> Optional[str]:
     if not inside and not torch._dynamo.eval_frame.is_dynamo_supported():
         return "torch.compile is not supported on this Python/platform, and flex_attention needs it"
     if device == "cpu":
-        if _grad_needed(call):
+        if call.needs_grad:
             return _TRAINING_ON_CPU
         compiled = COMPILE or inside
         if compiled and q.dtype not in CPU_DTYPES:

@@ -44,6 +44,19 @@ class Call(NamedTuple):
     def under_compile(self) -> bool:
         return torch.compiler.is_compiling() if self.compiling is None else self.compiling
 
+    @property
+    def needs_grad(self) -> bool:
+        """Whether autograd will ask this call for gradients: grad mode on and q, k, v or one of the
+        mask's float tensors (biases, ALiBi slopes, sink logits, a score_mod's) requiring grad."""
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [self.q, self.k, self.v]
+        if self.mask is not None:
+            tensors += list(self.mask.tensors)
+            for p in self.mask.parts:
+                tensors += [t for name in ("tensor", "slopes", "logits") if isinstance(t := getattr(p, name, None), torch.Tensor)]
+        return any(t.requires_grad for t in tensors)
+
 
 @dataclass(frozen=True)
 class Backend:

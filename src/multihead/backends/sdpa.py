@@ -242,10 +242,6 @@ NATIVE_FIRST = True
 PLAIN_CAUSAL_MIN_LENGTH = 2048
 
 
-def _grad_needed(call: Call) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
-
-
 def _native_wins_plain_causal(call: Call) -> bool:
     """Whether a plain causal call falls where the native kernel was measured faster (see
     :data:`PLAIN_CAUSAL_MIN_LENGTH`)."""
@@ -254,7 +250,7 @@ def _native_wins_plain_causal(call: Call) -> bool:
         return False
     if lq < PLAIN_CAUSAL_MIN_LENGTH:
         return False
-    training = _grad_needed(call)
+    training = call.needs_grad
     return (call.q.dtype == torch.float32 and not training) or (call.q.dtype == torch.bfloat16 and training)
 
 
