@@ -134,7 +134,7 @@ sanitize: $(VENV)/.test
 	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m multihead.backends.native
 	MULTIHEAD_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m pytest -q -p no:cacheprovider tests/backends/test_native.py
+		LD_PRELOAD="$(SANITIZER_LIBS)" $(PY) -m pytest -q -p no:cacheprovider tests/backends/test_native.py tests/backends/test_native_amx.py
 
 bench: $(VENV)/.core
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -217,7 +217,8 @@ def _describe(call: Call) -> str:
     products = f"matrix products, softmax and sums in {str(cdt).replace('torch.', '')}"
     where = f"; CPU {_tiles.cpu_features()}" if call.q.device.type == "cpu" else ""
     shape = (call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2])
-    kernel = _tiles.kernel_for(call.q, call.k, call.v, call.mask, scale=1.0, mask_shape=shape)
+    kernel = _tiles.kernel_for(call.q, call.k, call.v, call.mask, scale=1.0, mask_shape=shape,
+                               native_blocks=(NATIVE_BLOCK_Q, NATIVE_BLOCK_K))
     return (f"online softmax over tiles of {default_block_q(groups)} queries x {BLOCK_K} keys, "
             f"{products}; tiles the mask hides are skipped{where}; kernel: {kernel}")
 

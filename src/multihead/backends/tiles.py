@@ -208,7 +208,7 @@ class Tiles:
     """
 
     def __init__(self, q, k, v, rest: Optional[Mask], biases, mods=(), *, scale, block_q, block_k,
-                 mask_shape, positions=None, mask_heads=None, native_blocks=None):
+                 mask_shape, positions=None, mask_heads=None, native_blocks=None, half_out=False):
         B, H, Lq, D = q.shape
         self.B, self.H, self.Lq, self.D = B, H, Lq, D
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -241,6 +241,9 @@ class Tiles:
         #: the native backward's tiles: :data:`NATIVE_BACKWARD_BLOCKS` where the caller left the
         #: blocks to chunked's defaults (``native_blocks`` given), else the caller's
         self.native_backward_blocks = NATIVE_BACKWARD_BLOCKS if native_blocks else self.native_blocks
+        #: the native forward may return out in q's dtype (the rounding the caller's cast makes):
+        #: for calls whose float32 out nothing reads (no gradient, no sink to fold in)
+        self.half_out = half_out
         self.block_q, self.block_k = block_q, block_k
         self.blocks = _query_blocks(Lq, block_q, positions)
         # a panel whose row sums pass this is redone with an exact shift (exp would overflow soon)
@@ -315,12 +318,14 @@ class Tiles:
     def native_forward(self, args: dict):
         """``(out (B, H, Lq, Dv), lse (B, H, Lq))`` in float32 by the native kernel."""
         q, k, v = self.inputs
-        out, lse, tiles = _native.module().forward(
+        out, lse, tiles, path = _native.module().forward(
             q.detach(), k.detach(), v.detach(), float(self.scale), args["intervals"], args["keep"], args["biases"],
-            args["slopes"], args["diag"], args["softcap"], *self.native_blocks, args["half"])
+            args["slopes"], args["diag"], args["softcap"], *self.native_blocks, args["half"], _native.amx_tiles(),
+            self.half_out)
         _count("forward", int(tiles))
         _count("native", 1)
         _native.CALLS["forward"] += 1
+        _native.CALLS["forward on AMX tiles"] += int(path)
         return out, lse
 
     def native_backward_why(self, wanted: Sequence[bool]) -> Optional[str]:
@@ -670,7 +675,9 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, rest, mods, options, n_biases, *tensors):
         biases = tensors[:n_biases]
         with outside_autocast(q.device.type):
-            tiles = Tiles(q, k, v, rest, biases, mods, **options)
+            # out may come in q's dtype only where no backward will read it
+            half_out = options["half_out"] and not any(ctx.needs_input_grad)
+            tiles = Tiles(q, k, v, rest, biases, mods, **dict(options, half_out=half_out))
             out, lse = tiles.forward()
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.rest, ctx.mods, ctx.options, ctx.n_biases = rest, mods, options, n_biases
@@ -743,7 +750,8 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     options = dict(scale=scale, block_q=block_q, block_k=block_k, mask_shape=tuple(mask_shape),
                    native_blocks=native_blocks,
                    positions=None if positions is None else [int(p) for p in positions],
-                   mask_heads=None if mask_heads is None else list(mask_heads))
+                   mask_heads=None if mask_heads is None else list(mask_heads),
+                   half_out=mask is None or mask.sink_logits is None)
     out, lse = _TiledAttention.apply(q, k, v, rest, mods, options, len(biases), *biases, *mod_tensors)
     sink = mask.sink_logits if mask is not None else None
     if sink is not None:
@@ -751,14 +759,20 @@ def attend(q, k, v, mask: Optional[Mask], *, scale: float, block_q: int, block_k
     return out.to(q.dtype), lse
 
 
-def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:
-    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...); backward:
-    native kernel" (or "; backward: torch tiles (why)") or "torch tiles (why not native)"; for
-    ``explain_dispatch``. Arguments as for :func:`attend`."""
+def kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape,
+               native_blocks: Optional[tuple[int, int]] = None) -> str:
+    """Which tile kernel :func:`attend` runs for this call, and why: "native kernel (...); forward
+    on AMX tiles (or: by brgemm (why)); backward: native kernel" (or "; backward: torch tiles
+    (why)") or "torch tiles (why not native)"; for ``explain_dispatch``. Arguments as for
+    :func:`attend` (``native_blocks`` None: blocks are not what keeps a call off the AMX tiles)."""
     forward, backward = _kernels(q, k, v, mask, scale=scale, mask_shape=mask_shape)
     if forward is not None:
         return f"torch tiles ({forward})"
-    return _native.status() + ("; backward: native kernel" if backward is None else f"; backward: torch tiles ({backward})")
+    line = _native.status()
+    if q.dtype in (torch.bfloat16, torch.float16):
+        amx = _native.amx_forward_why_not(q.dtype, q.shape[-1], v.shape[-1], native_blocks)
+        line += "; forward on AMX tiles" if amx is None else f"; forward by brgemm ({amx})"
+    return line + ("; backward: native kernel" if backward is None else f"; backward: torch tiles ({backward})")
 
 
 def backward_kernel_for(q, k, v, mask: Optional[Mask], *, scale: float, mask_shape) -> str:

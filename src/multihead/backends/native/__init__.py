@@ -55,17 +55,26 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ENABLED", "CALLS", "module", "status", "why_not", "cpu_flags", "half_products"]
+__all__ = ["ENABLED", "AMX", "CALLS", "module", "status", "why_not", "cpu_flags", "half_products", "amx_tiles",
+           "amx_forward_why_not"]
 
-#: passes the native kernel ran (under "forward" and "backward"); chunked's trace reads which kernel ran
+#: passes the native kernel ran (under "forward" and "backward"; "forward on AMX tiles" counts the forwards
+#: amx_forward.cpp ran); chunked's trace reads which kernel ran
 CALLS: Counter[str] = Counter()
 
 #: use the native kernel where it can run: None (default) reads ``MULTIHEAD_NATIVE`` (unset: yes),
 #: True or False override it (the tests flip it to run both implementations)
 ENABLED: Optional[bool] = None
 
+#: run the bfloat16 forward on AMX tiles where the CPU has them and the shapes fit (head dims of 32k
+#: and 16k, blocks of 16 x 64): None (default) reads ``MULTIHEAD_NATIVE_AMX`` (unset: yes), True or
+#: False override it (the tests flip it to hold both forwards to the rule); False runs the brgemm
+#: forward everywhere
+AMX: Optional[bool] = None
+
 #: the kernel's sources: the forward (and the module's bindings), the backward, what they share
-_SOURCES = tuple(Path(__file__).with_name(n) for n in ("attention.cpp", "backward.cpp", "common.h"))
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("attention.cpp", "amx_forward.cpp", "backward.cpp", "common.h",
+                                                         "rows.h", "amx_forward.h"))
 #: /proc/cpuinfo flags that the compiled code may use (-march=native) or whose presence changes it
 _VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                  "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "avx_vnni")
@@ -242,7 +251,37 @@ def status() -> str:
 
 def _products_line() -> str:
     bf16 = "bfloat16 operands" if half_products(torch.bfloat16) else "bfloat16 widened to float32 operands"
-    return f"brgemm products into float32: {bf16}; CPU {', '.join(sorted(cpu_flags() & set(_VECTOR_FLAGS))) or 'baseline'}"
+    amx = ("; the bfloat16 forward on AMX tiles, scores kept in L1 (head dims of 32k and 16k)" if amx_tiles()
+           else "")
+    return (f"brgemm products into float32: {bf16}{amx}; "
+            f"CPU {', '.join(sorted(cpu_flags() & set(_VECTOR_FLAGS))) or 'baseline'}")
+
+
+def amx_forward_why_not(dtype: torch.dtype, head_dim: int, value_dim: int,
+                        blocks: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """Why the native forward of a call with these inputs, head dims and (queries, keys) blocks
+    (None: not judged) does not run on AMX tiles here (None: it does, see :func:`amx_tiles`)."""
+    if dtype != torch.bfloat16:
+        return f"the AMX forward takes bfloat16 ({str(dtype).replace('torch.', '')} inputs)"
+    if not amx_tiles():
+        wanted = AMX if AMX is not None else os.environ.get("MULTIHEAD_NATIVE_AMX", "1") not in ("0", "", "false", "no")
+        return ("switched off (multihead.backends.native.AMX or MULTIHEAD_NATIVE_AMX=0)" if not wanted
+                else "this CPU or build has no AMX tiles")
+    if head_dim % 32 or value_dim % 16:
+        return f"head dims {head_dim} and {value_dim}: the AMX forward takes multiples of 32 and 16"
+    if blocks is not None and (blocks[0] % 16 or blocks[1] % 64):
+        return f"blocks of {blocks[0]} x {blocks[1]}: the AMX forward takes multiples of 16 x 64"
+    return None
+
+
+def amx_tiles() -> bool:
+    """Whether bfloat16 forwards run on AMX tiles here (``amx_forward.cpp``): :data:`AMX` (else
+    ``MULTIHEAD_NATIVE_AMX``, default yes) allows it, the kernel was built with AMX (``-march=native``
+    on a CPU that has it) and the OS grants the tiles; the call's head dims must fit too (D a multiple
+    of 32, Dv of 16)."""
+    wanted = AMX if AMX is not None else os.environ.get("MULTIHEAD_NATIVE_AMX", "1") not in ("0", "", "false", "no")
+    mod = module() if enabled() else None
+    return bool(wanted and mod is not None and half_products(torch.bfloat16) and mod.amx_forward_available())
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,9 +19,15 @@
 // Tiles no row of a query block sees are skipped; a tile its rows see in part (the diagonal's)
 // goes by panels of 64 rows, each over the key columns its rows see.
 //
+// Where the CPU has AMX and the inputs are bfloat16, forward() runs amx_forward.cpp instead: the
+// same algorithm with the products on the tile registers and the scores kept in L1 (rows.h holds
+// the row pieces both take).
+//
 // Legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Lq/Lk lengths, D head dim, Dv value dim.
 
 #include "common.h"
+#include "rows.h"
+#include "amx_forward.h"
 
 #include <algorithm>
 #include <atomic>
@@ -53,130 +59,6 @@ void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t bk, int64_t ksize
       pack_b<T>(n, Dv, [&](int64_t j, int64_t d) { return cast<T>(vbase[j * vs.s2 + d * vs.s3]); }, vp + w * vsize);
     }
   });
-}
-
-// -- the exponentials: 2^x by common.h's exp2_poly (shared with the backward)
-
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-using fReg = __m512;
-
-// store 16 floats (the first `count`) as T
-template <typename T>
-inline void store_v(T* dst, __m512 x, int64_t count) {
-  const __mmask16 k = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  if constexpr (std::is_same<T, float>::value) {
-    _mm512_mask_storeu_ps(dst, k, x);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  } else if constexpr (std::is_same<T, at::BFloat16>::value) {
-    _mm256_mask_storeu_epi16(dst, k, (__m256i)_mm512_cvtneps_pbh(x));
-#endif
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  } else if constexpr (std::is_same<T, at::Half>::value) {
-    _mm256_mask_storeu_epi16(dst, k, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-  } else {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, x);
-    for (int64_t j = 0; j < std::min<int64_t>(count, 16); ++j) dst[j] = static_cast<T>(tmp[j]);
-  }
-}
-#endif
-
-// the largest of s[0..n) (a NaN may be missed: the exponentials carry it into the row sum)
-inline float row_max(const float* s, int64_t n) {
-  int64_t j = 0;
-  float top = kNegInf;
-#if defined(__AVX512F__)
-  __m512 a = _mm512_set1_ps(kNegInf), b = a;
-  for (; j + 32 <= n; j += 32) {
-    a = _mm512_max_ps(a, _mm512_loadu_ps(s + j));
-    b = _mm512_max_ps(b, _mm512_loadu_ps(s + j + 16));
-  }
-  for (; j + 16 <= n; j += 16) a = _mm512_max_ps(a, _mm512_loadu_ps(s + j));
-  top = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-#endif
-  for (; j < n; ++j) top = std::max(top, s[j]);
-  return top;
-}
-
-#if defined(__AVX512F__)
-// 2^(x f rounded - m) of 16 scores (the lanes of k; the others 0): (s f rounded) - m, not one
-// fused fmsub: m is the rounded f · max, so the row's largest score gives exactly 0 and no exponent
-// is positive however large f is (the explicit rounding keeps the compiler from fusing the two)
-template <int kDeg>
-inline __m512 exp_scores(const float* s, __mmask16 k, __m512 vf, __m512 vm) {
-  const __m512 x = _mm512_maskz_loadu_ps(k, s);
-  const __m512 y = _mm512_mul_round_ps(x, vf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_maskz_mov_ps(k, exp2_poly<kDeg>(_mm512_sub_ps(y, vm)));
-}
-#endif
-
-// p[j] = 2^(s[j] f - m) for j < n, as T (p may be s when T is float), 0 for n <= j < ne; returns
-// the sum of the float32 values
-template <typename T>
-float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
-  constexpr int kDeg = exp_degree<T>();
-  int64_t j = 0;
-  float total = 0.f;
-#if defined(__AVX512F__)
-  const __m512 vf = _mm512_set1_ps(f), vm = _mm512_set1_ps(m);
-  // two vectors a step, two sums (independent chains); bfloat16 converted and stored 32 at a time
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
-    const __m512 e0 = exp_scores<kDeg>(s + j, __mmask16(0xFFFF), vf, vm);
-    const __m512 e1 = exp_scores<kDeg>(s + j + kLanes, __mmask16(0xFFFF), vf, vm);
-    acc0 = _mm512_add_ps(acc0, e0);
-    acc1 = _mm512_add_ps(acc1, e1);
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same<T, at::BFloat16>::value) {
-      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      continue;
-    }
-#endif
-    store_v<T>(p + j, e0, kLanes);
-    store_v<T>(p + j + kLanes, e1, kLanes);
-  }
-  for (; j < n; j += kLanes) {
-    const int64_t count = std::min(kLanes, n - j);
-    const __mmask16 k = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-    const __m512 e = exp_scores<kDeg>(s + j, k, vf, vm);
-    acc0 = _mm512_add_ps(acc0, e);
-    store_v<T>(p + j, e, count);
-  }
-  total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  j = n;
-#else
-  const fVec vf(f), vm(m), ln2(kLn2);
-  fVec acc(0.f);
-  alignas(64) float tmp[fVec::size()];
-  for (; j + fVec::size() <= n; j += fVec::size()) {
-    (fVec::loadu(s + j) * vf).store(tmp);
-    __asm__ volatile("" ::: "memory");  // s f rounded, then - m (no fused fmsub)
-    const fVec e = ((fVec::loadu(tmp) - vm) * ln2).exp_u20();
-    acc = acc + e;
-    e.store(tmp);
-    for (int64_t t = 0; t < fVec::size(); ++t) p[j + t] = static_cast<T>(tmp[t]);
-  }
-  total = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, acc);
-#endif
-  for (; j < n; ++j) {
-    volatile float y = s[j] * f;  // s f rounded, then - m (no fused fmsub)
-    const float e = std::exp2(y - m);
-    total += e;
-    p[j] = static_cast<T>(e);
-  }
-  for (j = n; j < ne; ++j) p[j] = T(0);
-  return total;
-}
-
-// 2^x for one x <= 0 (a row's rescale): the float32-accurate polynomial where there is AVX-512
-inline float exp2_one(float x) {
-#if defined(__AVX512F__)
-  return _mm512_cvtss_f32(exp2_poly<6>(_mm512_set1_ps(x)));
-#else
-  return std::exp2(x);
-#endif
 }
 
 // rows of a diagonal tile computed together (by panels), see forward_impl
@@ -332,12 +214,15 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 }  // namespace
 
-// out (B, H, Lq, Dv) float32 and lse (B, H, Lq) float32 (natural log; -inf for a row with no visible key)
+// out (B, H, Lq, Dv) float32 and lse (B, H, Lq) float32 (natural log; -inf for a row with no visible
+// key), the tiles computed, and which forward ran (0 these brgemm tiles, 1 amx_forward.cpp's AMX
+// tiles: bfloat16 with half products where amx_tiles allows it and the shapes fit; then out is
+// bfloat16 where half_out asks for it)
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 const c10::optional<at::Tensor>& intervals, const c10::optional<at::Tensor>& keep,
                                 const std::vector<at::Tensor>& biases, const c10::optional<at::Tensor>& slopes,
                                 const c10::optional<at::Tensor>& diag, double softcap, int64_t block_q,
-                                int64_t block_k, bool half_products) {
+                                int64_t block_k, bool half_products, bool amx_tiles, bool half_out) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "native attention: q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "native attention: q, k, v must share a dtype");
@@ -345,18 +230,24 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "native attention: H must be a multiple of Hkv");
   TORCH_CHECK(block_q > 0 && block_k > 0, "native attention: blocks must be positive");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
-  // every row of out and lse is written by the work item that owns it
-  auto out = at::empty({B, H, Lq, Dv}, q.options().dtype(at::kFloat));
+  const bool amx = q.scalar_type() == at::kBFloat16 && half_products && amx_tiles && amx_forward_available() &&
+                   amx_forward_fits(q.size(3), Dv, block_q, block_k);
+  // every row of out and lse is written by the work item that owns it; the AMX forward writes out
+  // in bfloat16 where the caller asks (half_out: nothing reads the float32 out, a backward included)
+  auto out = at::empty({B, H, Lq, Dv}, q.options().dtype(amx && half_out ? at::kBFloat16 : at::kFloat));
   auto lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
-  int64_t tiles = 0;
-  if (B * H * Lq == 0) return {out, lse, at::scalar_tensor(tiles, at::kLong)};
+  int64_t tiles = 0, path = 0;  // path 1: the AMX forward ran
+  if (B * H * Lq == 0) return {out, lse, at::scalar_tensor(tiles, at::kLong), at::scalar_tensor(path, at::kLong)};
   MaskView m = make_mask(scale, intervals, keep, biases, slopes, diag, softcap, Lq);
   switch (q.scalar_type()) {
     case at::kFloat:
       tiles = forward_impl<float, float>(q, k, v, m, block_q, block_k, out, lse);
       break;
     case at::kBFloat16:
-      if (half_products)
+      if (amx) {
+        tiles = forward_amx(q, k, v, m, block_q, block_k, out, lse);
+        path = 1;
+      } else if (half_products)
         tiles = forward_impl<at::BFloat16, at::BFloat16>(q, k, v, m, block_q, block_k, out, lse);
       else
         tiles = forward_impl<at::BFloat16, float>(q, k, v, m, block_q, block_k, out, lse);
@@ -370,7 +261,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     default:
       TORCH_CHECK(false, "native attention takes float32, bfloat16 or float16, got ", q.scalar_type());
   }
-  return {out, lse, at::scalar_tensor(tiles, at::kLong)};
+  return {out, lse, at::scalar_tensor(tiles, at::kLong), at::scalar_tensor(path, at::kLong)};
 }
 
 bool could_pack(const std::string& dtype) {
@@ -396,4 +287,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("forward", &forward, "attention forward by tiles (out, lse)");
   mod.def("backward", &backward, "attention backward by tiles (dq, dk, dv, bias grads) from out and lse");
   mod.def("could_pack", &could_pack, "whether brgemm takes packed half operands of this dtype here");
+  mod.def("amx_forward_available", &amx_forward_available, "whether the bfloat16 forward runs on AMX tiles here");
 }

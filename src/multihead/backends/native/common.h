@@ -81,6 +81,24 @@ struct MaskView {
       }
   }
 
+  // [lo, hi): the keys every row of i0..i1-1 sees by the intervals (all keys without intervals; an
+  // empty range where a row has more than one interval, which the caller then reads row by row)
+  void common(int64_t b, int64_t i0, int64_t i1, int64_t& lo_all, int64_t& hi_all) const {
+    lo_all = std::numeric_limits<int64_t>::min();
+    hi_all = std::numeric_limits<int64_t>::max();
+    if (I == 0) return;
+    if (I > 1) {
+      lo_all = hi_all = 0;
+      return;
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t* e = iv + ((ivB == 1 ? 0 : b) * Lq + i) * 2;
+      lo_all = std::max(lo_all, e[0]);
+      hi_all = std::min(hi_all, e[1]);
+    }
+    if (hi_all <= lo_all) lo_all = hi_all = 0;
+  }
+
   // nothing is added to or changes the scaled products: the scale can wait for the exponential
   bool plain() const { return bias.empty() && slopes == nullptr && softcap == 0.f && scale > 0.f; }
 
