@@ -428,18 +428,23 @@ def test_auto_runs_masks_sdpa_would_densify_on_the_native_kernel(monkeypatch):
     assert multihead.explain_dispatch(q, q, q, masks.window(512)).backend == "sdpa"
 
 
-@pytest.mark.parametrize("dtype, grad, L, backend", [
-    (torch.float32, False, 2048, "chunked"), (torch.float32, False, 2047, "sdpa"), (torch.float32, True, 4096, "sdpa"),
-    (torch.bfloat16, True, 2048, "chunked"), (torch.bfloat16, True, 2047, "sdpa"), (torch.bfloat16, False, 4096, "sdpa"),
-    (torch.float16, False, 4096, "sdpa"),
+@pytest.mark.parametrize("dtype, grad, L, d, backend", [
+    (torch.float32, False, 2048, 8, "chunked"), (torch.float32, False, 2047, 8, "sdpa"),
+    (torch.float32, True, 4096, 8, "sdpa"), (torch.bfloat16, True, 2048, 8, "chunked"),
+    (torch.bfloat16, True, 2047, 8, "sdpa"), (torch.bfloat16, False, 4096, 8, "sdpa"),
+    (torch.bfloat16, False, 2048, 64, "chunked where AMX"), (torch.bfloat16, False, 2047, 64, "sdpa"),
+    (torch.float16, False, 4096, 64, "sdpa"),
 ])
-def test_auto_runs_plain_causal_on_the_native_kernel_where_it_was_measured_faster(monkeypatch, dtype, grad, L, backend):
+def test_auto_runs_plain_causal_on_the_native_kernel_where_it_was_measured_faster(monkeypatch, dtype, grad, L, d,
+                                                                                  backend):
     """Issue 22 item 6 for plain causal (sdpa.PLAIN_CAUSAL_MIN_LENGTH; figures in docs/benchmarks.md):
-    float32 inference and bfloat16 training from 2048 tokens go to the native kernel, the rest stays on
-    SDPA's causal kernel; auto's output is then chunked's, bit for bit (the kernel's accuracy is held to
-    the oracle by the tests above), and with the native kernel off or NATIVE_FIRST = False sdpa keeps
-    every case."""
-    q, k, v = (torch.randn(1, 2, L, 8, dtype=dtype).requires_grad_(grad) for _ in range(3))
+    float32 inference, bfloat16 training and (where its forward runs on AMX tiles: head dims of 32k)
+    bfloat16 inference from 2048 tokens go to the native kernel, the rest stays on SDPA's causal
+    kernel; auto's output is then chunked's, bit for bit (the kernel's accuracy is held to the oracle
+    by the tests above), and with the native kernel off or NATIVE_FIRST = False sdpa keeps every case."""
+    if backend == "chunked where AMX":
+        backend = "chunked" if native.amx_tiles() else "sdpa"
+    q, k, v = (torch.randn(1, 2, L, d, dtype=dtype).requires_grad_(grad) for _ in range(3))
     d = multihead.explain_dispatch(q, k, v, masks.causal())
     assert d.backend == backend
     if backend == "chunked":

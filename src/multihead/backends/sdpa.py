@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .. import steps as _steps
 from .. import trace as _trace
 from ..masks import Causal, Mask, as_4d, split_additive
+from . import native as _native
 from . import tiles as _tiles
 from .registry import Backend, Call, get, register
 from .._numerics import compute_dtype
@@ -236,9 +237,10 @@ def _within_any_budget(call: Call) -> bool:
 NATIVE_FIRST = True
 #: Plain causal self-attention (Lq = Lk) on the CPU from this many tokens on goes to the native kernel
 #: where it was measured faster than SDPA's own causal kernel side by side (docs/benchmarks.md, issue
-#: 22; 2 threads, D=64): float32 without gradients and bfloat16 with gradients (forward + backward).
-#: Elsewhere (float32 training, bfloat16 inference) SDPA was as fast or faster and keeps the call;
-#: shorter calls stay below chunked's own AUTO_MIN_SCORES.
+#: 22; 2 threads, D=64): float32 without gradients, bfloat16 with gradients (forward + backward), and
+#: bfloat16 without gradients where its forward runs on AMX tiles. Elsewhere (float32 training,
+#: bfloat16 inference by brgemm) SDPA was as fast or faster and keeps the call; shorter calls stay
+#: below chunked's own AUTO_MIN_SCORES.
 PLAIN_CAUSAL_MIN_LENGTH = 2048
 
 
@@ -251,7 +253,14 @@ def _native_wins_plain_causal(call: Call) -> bool:
     if lq < PLAIN_CAUSAL_MIN_LENGTH:
         return False
     training = call.needs_grad
-    return (call.q.dtype == torch.float32 and not training) or (call.q.dtype == torch.bfloat16 and training)
+    if call.q.dtype == torch.float32:
+        return not training
+    return call.q.dtype == torch.bfloat16 and (training or _amx_forward(call))
+
+
+def _amx_forward(call: Call) -> bool:
+    """Whether the native forward of ``call`` runs on AMX tiles (chunked's default blocks)."""
+    return _native.amx_forward_why_not(call.q.dtype, call.q.shape[-1], call.v.shape[-1]) is None
 
 
 def _native_runs_it(call: Call) -> Optional[str]:
@@ -274,9 +283,10 @@ def _native_runs_it(call: Call) -> Optional[str]:
     if not kernel.startswith("native"):
         return None
     if plain_causal:
+        what = ("float32 inference" if call.q.dtype == torch.float32 else "bfloat16 training" if call.needs_grad
+                else "bfloat16 inference on AMX tiles")
         return ("chunked's native kernel was measured faster than SDPA's causal kernel for plain causal "
-                f"{'bfloat16 training' if call.q.dtype == torch.bfloat16 else 'float32 inference'} at this length "
-                "(docs/benchmarks.md; sdpa.NATIVE_FIRST = False keeps sdpa first)")
+                f"{what} at this length (docs/benchmarks.md; sdpa.NATIVE_FIRST = False keeps sdpa first)")
     return ("chunked's native kernel runs this mask and computes only the tiles it leaves visible, where SDPA "
             "would compute every score through a dense mask (measured faster: docs/benchmarks.md; "
             "sdpa.NATIVE_FIRST = False keeps sdpa first)")

@@ -453,6 +453,8 @@ int64_t forward_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             float* srow = sbuf + r * kStep;
             T* p = pbuf[x % 2] + r * kStep;
             float* o = obuf.data() + (g0 + r) * Dv;
+            // the row of O this pair's P V loads on the next pass, into L1 meanwhile
+            for (int64_t d = 0; d < Dv; d += 16) _mm_prefetch(reinterpret_cast<const char*>(o + d), _MM_HINT_T0);
             if (st[r] == 0) {
               std::memset(p, 0, kStep * sizeof(T));
             } else if (!(plain && st[r] == 2 && ns == kStep && short_row(srow, p, rows[g0 + r], o, Dv, factor))) {

@@ -132,7 +132,12 @@ struct MaskView {
         ((fVec::loadu(s + j) * inv).tanh() * cap).store(s + j);
       for (; j < n; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
     }
-    if (state == 1) {
+    if (state == 1 && I == 1) {  // one interval: hide the keys before and after it
+      const int64_t* e = iv + ((ivB == 1 ? 0 : b) * Lq + i) * 2;
+      const int64_t lo = std::min(std::max<int64_t>(e[0] - k0, 0), n), hi = std::max(std::min<int64_t>(e[1] - k0, n), lo);
+      for (j = 0; j < lo; ++j) s[j] = kNegInf;
+      for (j = hi; j < n; ++j) s[j] = kNegInf;
+    } else if (state == 1) {
       std::memset(vis, 0, n);
       for (int64_t t = 0; t < I; ++t) {
         const int64_t* e = iv + ((t * ivB + (ivB == 1 ? 0 : b)) * Lq + i) * 2;
