@@ -27,7 +27,7 @@ from multihead import masks
 from multihead.backends import native
 from multihead.backends.chunked import chunked_attention
 from native_cases import B, H, KINDS, build_mask, inputs
-from oracle import judge, score_size, tile_kernel_as, torch_threads
+from oracle import judge, naive_attention, score_size, tile_kernel_as, torch_threads
 
 pytestmark = pytest.mark.skipif(not native.amx_tiles(),
                                 reason=f"no AMX forward here: {native.amx_forward_why_not(torch.bfloat16, 64, 64)}")
@@ -142,6 +142,24 @@ def test_a_reference_maximum_that_moves_lazily_keeps_the_rule():
             assert verdict.ok, str(verdict)
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_bf16_causal_passes_the_float32_scores_rule(on):
+    """Issue 22 item 5 on both bfloat16 forwards (AMX tiles, brgemm): inputs x3, causal, L=1024,
+    against float64 within 2x the error of the reference that keeps scores, softmax and sums in
+    float32 (which bfloat16-rounded products fail, test_numerics)."""
+    L, Dh = 1024, 64
+    g = torch.Generator().manual_seed(22)
+    q, k, v = ((3 * torch.randn(1, 2, L, Dh, generator=g)).bfloat16() for _ in range(3))
+    keep = torch.ones(L, L, dtype=torch.bool).tril().expand(1, 2, L, L)
+    with amx(on), torch.no_grad():
+        out, ran = _ran_amx(lambda: chunked_attention(q, k, v, masks.causal()))
+    assert ran == int(on)
+    want = naive_attention(q, k, v, keep, None, Dh ** -0.5, torch.float64)
+    verdict = judge(f"bf16 forward, AMX {on}", out, want, lambda dt: naive_attention(q, k, v, keep, None, Dh ** -0.5, dt),
+                    torch.bfloat16, head_dim=Dh, score_size=score_size(q, k, keep, None, Dh ** -0.5))
+    assert verdict.ok, str(verdict)
+
+
 def test_nan_and_infinities_come_out_as_the_brgemm_forward_gives_them():
     """A NaN query, a NaN key, an infinite query (+inf and -inf scores) and a row of -inf scores:
     the AMX forward gives NaN exactly where the brgemm forward does, and its values elsewhere
@@ -157,12 +175,15 @@ def test_nan_and_infinities_come_out_as_the_brgemm_forward_gives_them():
     with amx(False), torch.no_grad():
         want = chunked_attention(q, k, v, masks.causal(), return_lse=True)
     assert ran == 1
-    for a, b in zip(got, want):
+    # out: as in the 64-bit test, within 2^-7 max |v|; lse (float32, no rounding of p in it): the
+    # exponentials' 2^-13 and float32 sums, far within 2^-7 of its size
+    for a, b, size in zip(got, want, (v[~v.isnan()].float().abs().max(), None)):
         assert torch.equal(a.isnan(), b.isnan())
         fine = ~b.isnan()
         assert torch.equal(a[fine].isinf(), b[fine].isinf())
         both = fine & ~b.isinf()
-        assert (a[both].float() - b[both].float()).abs().max() <= 2 ** -7 * b[both].float().abs().max()
+        size = b[both].float().abs().max() if size is None else size
+        assert (a[both].float() - b[both].float()).abs().max() <= 2 ** -7 * size
 
 
 def test_same_bits_at_every_thread_count():
@@ -194,6 +215,23 @@ def test_inputs_are_read_through_their_strides():
         want = chunked_attention(q.contiguous(), k.contiguous(), v.contiguous(), masks.causal())
     assert ran == 2
     assert torch.equal(got, want) and torch.equal(got_t, want)
+
+
+def test_lengths_past_2_to_the_31_scores_use_64_bit_indices():
+    """Lq·Lk = 2^32 (a window keeps it cheap): the AMX forward equals the brgemm forward within a
+    bfloat16 rounding of the output (the same products; p rounded the same way)."""
+    L = 65536
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 1, L, 32, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 1, L, 16, generator=g).bfloat16()
+    with amx(True), torch.no_grad():
+        got, ran = _ran_amx(lambda: chunked_attention(q, k, v, masks.window(3)))
+    with amx(False), torch.no_grad():
+        want = chunked_attention(q, k, v, masks.window(3))
+    assert ran == 1
+    # both round each p to bfloat16 (2^-9 relative) and their out to bfloat16 (2^-9 of |out| <=
+    # max |v|); their exponentials differ by under 2^-13: together under 2^-7 max |v|
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * v.float().abs().max()
 
 
 def test_bfloat16_out_is_the_float32_outs_rounding():

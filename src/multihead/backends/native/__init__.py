@@ -6,11 +6,14 @@ True
 
 The torch tiles (:mod:`multihead.backends.tiles`) are the readable algorithm and the oracle; this
 package is the same online softmax in C++ (``attention.cpp``, its backward ``backward.cpp``, what
-they share ``common.h``): bfloat16/float16 operands into
+they share ``common.h``, the row pieces of both forwards ``rows.h``): bfloat16/float16 operands into
 float32 scores through ATen's ``at::native::cpublas::brgemm`` (AMX or AVX512-BF16 where the CPU
 has them), the exponentials and row sums with ATen's ``Vectorized<float>``, the work shared by
 ``at::parallel_for`` over (batch, query head, query block), every output row computed by one
-thread in a fixed order (the same bits at every thread count). The backward recomputes the tiles
+thread in a fixed order (the same bits at every thread count). Where the CPU has AMX, a bfloat16
+forward runs ``amx_forward.cpp`` instead (:data:`AMX`, :func:`amx_tiles`): the products written
+against the tile registers, 16 query rows x 64 keys of scores kept in L1, the tiles multiplying
+while the vector units take the softmax. The backward recomputes the tiles
 in two passes, one owning each key block's dK and dV, one each query block's dQ, so that every
 sum has one owner and a fixed order (no atomics; the same bits at every thread count); it forms
 the gradients of bias tensors too, but for one broadcast over both the queries and the keys
@@ -19,7 +22,7 @@ the gradients of bias tensors too, but for one broadcast over both the queries a
 structural parts' per-row key intervals, key padding, bias tensors, ALiBi and softcap; anything
 else (a Python ``mask_mod`` or ``score_mod``, a dense keep tensor, float64) runs the torch tiles.
 
-Build: :func:`module` compiles ``attention.cpp`` and ``backward.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
+Build: :func:`module` compiles ``attention.cpp``, ``amx_forward.cpp`` and ``backward.cpp`` with ``torch.utils.cpp_extension`` (ninja and the
 machine's C++ compiler, ``-O3 -march=native -fopenmp``: ATen's ``at::parallel_for`` is serial in
 code built without OpenMP) into a cache directory named after the sources'
 hash, the torch version, the compile flags and the CPU's feature flags, so a kernel built for
