@@ -25,6 +25,8 @@
 //
 // Legend: B batch, H query heads, Hkv kv heads, G = H / Hkv, Lq/Lk lengths, D head dim, Dv value dim.
 
+#include <torch/extension.h>
+
 #include "common.h"
 #include "rows.h"
 #include "amx_forward.h"

@@ -5,7 +5,9 @@
 
 #pragma once
 
-#include <torch/extension.h>
+// ATen alone (not torch/extension.h, which only attention.cpp needs for its bindings): each
+// translation unit parses a third of the headers
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
