@@ -114,6 +114,24 @@ def test_amx_forward_with_chunked_defaults_within_the_rule_and_beside_brgemm(kin
         assert verdict.ok, str(verdict)
 
 
+@pytest.mark.parametrize("d,dv", [(32, 16), (96, 48), (256, 80)])
+def test_head_dims_of_every_width_within_the_rule(d, dv):
+    """One, three and eight 32-wide chunks of q and k; one, three (the four-tile pass left unused)
+    and five (one pass and a tail) 16-wide groups of v: within the rule against the torch tiles in
+    float64, causal with ALiBi, blocks of 32 x 64."""
+    q, k, v, g = inputs(torch.bfloat16, 90, 140, seed=9, d=d, dv=dv)
+    mask = masks.causal() & masks.alibi(masks.alibi_slopes(H))
+    with tile_kernel_as("torch tiles"):
+        exact = chunked_attention(q.double(), k.double(), v.double(), mask, block_q=32, block_k=64)
+        same = chunked_attention(q, k, v, mask, block_q=32, block_k=64)
+    with amx(True), torch.no_grad():
+        got, ran = _ran_amx(lambda: chunked_attention(q, k, v, mask, block_q=32, block_k=64))
+    assert ran == 1
+    size = score_size(q, k, None, None, d ** -0.5) + float(masks.alibi_slopes(H).max()) * 140
+    verdict = judge(f"AMX d={d} dv={dv}", got, exact, lambda dt: same, torch.bfloat16, head_dim=d, score_size=size)
+    assert verdict.ok, str(verdict)
+
+
 def test_a_reference_maximum_that_moves_lazily_keeps_the_rule():
     """Head 0: scores rising along every row by ~50 in log2 units a 64-key step, ~400 over the row
     (the reference maximum must move every step: left behind by more than 2^7 an exponential

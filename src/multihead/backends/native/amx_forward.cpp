@@ -96,14 +96,25 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
+// this thread's tiles configured for the forward while it lives; on leaving (an exception
+// included) the tiles are released and ATen's brgemm told that its configuration is gone, so that
+// its next call on this thread loads its own again
+struct TileScope {
+  TileScope() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
   }
-  _tile_loadconfig(&c);
-}
+  ~TileScope() {
+    _tile_release();
+    at::native::cpublas::brgemm_release(true);
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
 
 // the 16 x 16 transpose of 32-bit words: row d of the result = word d of each of the 16 rows
 inline void transpose16(__m512i r[16]) {
@@ -372,7 +383,7 @@ int64_t forward_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t items = B * H * nqb;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_tiles();
+    const TileScope tiles;
     Aligned<T> qbuf(bq * D);
     Aligned<float> obuf(bq * Dv);
     std::vector<RowState> rows(bq);
@@ -484,9 +495,6 @@ int64_t forward_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         ld[row] = z > 0.f ? (rs.mx + std::log2(z)) * kLn2 : (std::isnan(z) || std::isnan(rs.mx) ? z + rs.mx : kNegInf);
       }
     }
-    // give the tiles back, and tell ATen's brgemm its tile configuration is gone
-    _tile_release();
-    at::native::cpublas::brgemm_release(true);
   });
   int64_t count = 0;
   for (int64_t t = 0; t < nqb * nkb; ++t) count += computed[t].load(std::memory_order_relaxed);
