@@ -10,12 +10,13 @@
 //   O (16 x Dv float32, rows in memory, where a rescale reads them) += P V.
 // The tiles run the previous pair's P V and the next pair's Q Kᵀ while this pair's softmax runs.
 //
-// A row under a plain mask (nothing added, no key padding) that sees all 64 keys of a step takes a
-// short path: its reference maximum moves only when a score passes it by 2^kLazy (a lazy rescale:
+// A row under a plain mask (nothing added, no key padding) that sees one run of a step's keys (all
+// 64, a tail, the diagonal's) takes a short path: the keys it does not see masked to -inf in
+// registers, its reference maximum moved only when a score passes it by 2^kLazy (a lazy rescale:
 // between moves p may reach 2^kLazy, and the row's sum and O are rescaled only when it moves), and
-// 2^x is taken by VREDUCEPS and VSCALEFPS with a degree-3 polynomial (relative error 8.6e-5, a
-// twentieth of bfloat16's rounding of p). Every other row (a step's tail, masks that add or hide)
-// takes forward_impl's row path: finish_row, the exact maximum, exp_row.
+// 2^x taken by VREDUCEPS and VSCALEFPS with a degree-3 polynomial (relative error 8.6e-5, a
+// twentieth of bfloat16's rounding of p). Every other row (masks that add or hide by more than one
+// interval) takes forward_impl's row path: finish_row, the exact maximum, exp_row.
 //
 // Same bits at every thread count: a work item is computed by one thread in a fixed order.
 //
@@ -312,12 +313,21 @@ struct RowState {
   }
 };
 
-// the short path: a row of 64 scores that sees all of them, under a plain mask, p = 2^(s f - mx);
-// false (nothing written) for the row path where the row's largest score is not finite or past
-// 2^22, or where nothing has set mx yet and the largest is -inf
-inline bool short_row(const float* s, T* p, RowState& st, float* o, int64_t Dv, float factor) {
-  const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + 16);
-  const __m512 s2 = _mm512_load_ps(s + 32), s3 = _mm512_load_ps(s + 48);
+// the short path: a row of 64 scores under a plain mask that sees those of `seen` (bit j: key j;
+// every key unless kMasked), p = 2^(s f - mx) and 0 for the others; false (nothing written) for the
+// row path where the row's largest score is not finite or past 2^22, or where nothing has set mx
+// yet and the largest is -inf
+template <bool kMasked>
+inline bool short_row(const float* s, T* p, RowState& st, float* o, int64_t Dv, float factor, uint64_t seen) {
+  __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + 16);
+  __m512 s2 = _mm512_load_ps(s + 32), s3 = _mm512_load_ps(s + 48);
+  if constexpr (kMasked) {  // the keys the row does not see: -inf
+    const __m512 hidden = _mm512_set1_ps(kNegInf);
+    s0 = _mm512_mask_blend_ps(__mmask16(seen), hidden, s0);
+    s1 = _mm512_mask_blend_ps(__mmask16(seen >> 16), hidden, s1);
+    s2 = _mm512_mask_blend_ps(__mmask16(seen >> 32), hidden, s2);
+    s3 = _mm512_mask_blend_ps(__mmask16(seen >> 48), hidden, s3);
+  }
   const __m512 top4 = _mm512_max_ps(_mm512_max_ps(s0, s1), _mm512_max_ps(s2, s3));
   if (st.mx == kNegInf || _mm512_cmp_ps_mask(top4, _mm512_set1_ps(st.thr), _CMP_GT_OQ)) {
     // s f rounded, as the row path rounds it (top4 may miss a NaN: the exponentials carry it)
@@ -468,9 +478,22 @@ int64_t forward_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             for (int64_t d = 0; d < Dv; d += 16) _mm_prefetch(reinterpret_cast<const char*>(o + d), _MM_HINT_T0);
             if (st[r] == 0) {
               std::memset(p, 0, kStep * sizeof(T));
-            } else if (!(plain && st[r] == 2 && ns == kStep && short_row(srow, p, rows[g0 + r], o, Dv, factor))) {
-              long_row(srow, p, rows[g0 + r], o, Dv, factor, m, b, h, i0 + g0 + r, ks0, ns, st[r], vis.data());
+              continue;
             }
+            bool done = false;
+            if (plain && st[r] == 2 && ns == kStep) {
+              done = short_row<false>(srow, p, rows[g0 + r], o, Dv, factor, ~uint64_t(0));
+            } else if (plain && (m.I == 1 || st[r] == 2)) {  // a tail, or one interval of the step seen
+              int64_t lo = 0, hi = ns;
+              if (st[r] == 1) {
+                const int64_t* e = m.iv + ((m.ivB == 1 ? 0 : b) * m.Lq + i0 + g0 + r) * 2;
+                lo = std::min(std::max<int64_t>(e[0] - ks0, 0), ns);
+                hi = std::max(std::min<int64_t>(e[1] - ks0, ns), lo);
+              }
+              const uint64_t upto = hi >= 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1;
+              done = short_row<true>(srow, p, rows[g0 + r], o, Dv, factor, upto & ~((uint64_t(1) << lo) - 1));
+            }
+            if (!done) long_row(srow, p, rows[g0 + r], o, Dv, factor, m, b, h, i0 + g0 + r, ks0, ns, st[r], vis.data());
           }
         }
         const Pair& last = work[count - 1];
