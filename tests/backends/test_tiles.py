@@ -300,3 +300,23 @@ def test_exp_floor_is_exp_above_it_zero_at_or_below_and_keeps_nan(dtype):
     assert torch.equal(got[above], torch.exp(x[above]))
     assert torch.equal(got[x <= _tiles.EXP_FLOOR], torch.zeros_like(got[x <= _tiles.EXP_FLOOR]))
     assert torch.isnan(got[8]) and got[9] == float("inf")
+
+
+def test_one_thread_computes_tile_by_tile_as_the_workers_do():
+    """At one torch thread the torch tiles' products have a tile's rows, as each worker's do at two
+    or more: a BLAS may round a row by where it falls in a taller product (MKL's AVX2 kernels do:
+    merged panels at one thread gave other bits than two workers' tiles under
+    MKL_ENABLE_INSTRUCTIONS=AVX2), so 1 and N threads give the same bits on every CPU."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 16, generator=g) for _ in range(3))
+    shape = (1, 4, 300, 300)
+    mask = multihead.masks.as_mask(multihead.masks.causal())
+    rest, biases = multihead.masks.split_additive(mask, shape)
+    tiles = _tiles.Tiles(q, k, v, rest, biases, (), scale=0.25, block_q=32, block_k=48, mask_shape=shape)
+
+    def products(threads, workers):
+        with torch_threads(threads):
+            return sorted((k0, r0, r1) for plan in tiles.plans(workers) for k0, _, r0, r1, *_ in plan)
+
+    assert products(1, 1) == products(2, 2) == products(8, 3)
+    assert len({r1 - r0 for _, r0, r1 in products(1, 1)}) <= 2  # a tile's rows (and the last block's)

@@ -12,9 +12,9 @@ rank holds; the partial results are combined with :func:`merge`).
 The (Lq, Lk) scores are never held at once. Queries are cut into blocks of ``block_q`` and keys
 into blocks of ``block_k``; a *tile* is one query block x one key block, and the tiles the mask
 hides entirely (``mask.tile_state(...) == "empty"``, or outside ``mask.key_span``) are never
-computed. Key blocks are the outer loop; the tiles computed together (one tile, or in the
-calling thread the tiles of consecutive query blocks in one key block, a *panel* of at most
-:data:`PANEL_SCORES` scores) go through::
+computed. Key blocks are the outer loop; the tiles computed together (one tile, or where the
+calling thread runs them all with several intra-op threads the tiles of consecutive query blocks
+in one key block, a *panel* of at most :data:`PANEL_SCORES` scores) go through::
 
     shift = unset, acc = 0                          # per query row; acc (Dv + 1): Σ p V and Σ p
     for each key block K_j, V_j, left to right:
@@ -439,10 +439,13 @@ class Tiles:
         """One list of panels per worker (see :func:`_plan`): query block i goes to worker
         :func:`.cpu_threads.worker_of` (i, ``workers``), a fixed rule, so every sum is formed in the same order
         on every run.
-        One worker (the calling thread) merges consecutive blocks into panels of up to
-        :data:`PANEL_SCORES` scores, for torch's intra-op threads; several workers, each
-        single-threaded, compute tile by tile."""
-        if workers == 1:
+        One worker (the calling thread) with several intra-op threads (where the work cannot be
+        shared out: tensor subclasses, Python modes) merges consecutive blocks into panels of up
+        to :data:`PANEL_SCORES` scores, for those threads; one thread, or several workers, each
+        single-threaded, compute tile by tile: every product then has a tile's rows whatever
+        the thread count (a BLAS may round a row by where it falls in a taller product: MKL's
+        AVX2 kernels do, so merged panels at one thread gave other bits than tiles at two)."""
+        if workers == 1 and torch.get_num_threads() > 1:
             panel_queries = PANEL_SCORES // max(1, self.N * self.G * self.block_k) // self.block_q * self.block_q
         else:
             panel_queries = self.block_q
