@@ -14,8 +14,7 @@
 namespace multihead_native {
 
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-using fReg = __m512;
+constexpr int64_t kFloatLanes = 16;  // float32 lanes of a zmm register
 
 // store 16 floats (the first `count`) as T
 template <typename T>
@@ -79,9 +78,9 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
   const __m512 vf = _mm512_set1_ps(f), vm = _mm512_set1_ps(m);
   // two vectors a step, two sums (independent chains); bfloat16 converted and stored 32 at a time
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+  for (; j + 2 * kFloatLanes <= n; j += 2 * kFloatLanes) {
     const __m512 e0 = exp_scores<kDeg>(s + j, __mmask16(0xFFFF), vf, vm);
-    const __m512 e1 = exp_scores<kDeg>(s + j + kLanes, __mmask16(0xFFFF), vf, vm);
+    const __m512 e1 = exp_scores<kDeg>(s + j + kFloatLanes, __mmask16(0xFFFF), vf, vm);
     acc0 = _mm512_add_ps(acc0, e0);
     acc1 = _mm512_add_ps(acc1, e1);
 #if defined(__AVX512BF16__)
@@ -90,11 +89,11 @@ float exp_row(const float* s, int64_t n, int64_t ne, float f, float m, T* p) {
       continue;
     }
 #endif
-    store_v<T>(p + j, e0, kLanes);
-    store_v<T>(p + j + kLanes, e1, kLanes);
+    store_v<T>(p + j, e0, kFloatLanes);
+    store_v<T>(p + j + kFloatLanes, e1, kFloatLanes);
   }
-  for (; j < n; j += kLanes) {
-    const int64_t count = std::min(kLanes, n - j);
+  for (; j < n; j += kFloatLanes) {
+    const int64_t count = std::min(kFloatLanes, n - j);
     const __mmask16 k = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
     const __m512 e = exp_scores<kDeg>(s + j, k, vf, vm);
     acc0 = _mm512_add_ps(acc0, e);
