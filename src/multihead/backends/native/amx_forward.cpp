@@ -505,17 +505,12 @@ int64_t forward_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         float* o = obuf.data() + r * Dv;  // normalised in place, then written out
         float z = rs.sum;
         for (int t = 0; t < 16; ++t) z += rs.lanes[t];
-        const float inv = z > 0.f ? 1.f / z : 0.f;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = z > 0.f || std::isnan(z) ? o[d] * inv : 0.f;
-        if (std::isnan(z) || std::isnan(rs.mx)) {
-          for (int64_t d = 0; d < Dv; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
-        }
+        ld[row] = finish_output_row(o, Dv, z, rs.mx);
         if (oh != nullptr) {
           round_to<T>(o, oh + row * Dv, Dv);
         } else {
           std::memcpy(od + row * Dv, o, Dv * sizeof(float));
         }
-        ld[row] = z > 0.f ? (rs.mx + std::log2(z)) * kLn2 : (std::isnan(z) || std::isnan(rs.mx) ? z + rs.mx : kNegInf);
       }
     }
   });

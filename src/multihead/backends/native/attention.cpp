@@ -196,14 +196,9 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t row = (b * H + h) * Lq + i0 + r;
-        float* o = od + row * Dv;
-        const float z = sum[r];
-        const float inv = z > 0.f ? 1.f / z : 0.f;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = z > 0.f || std::isnan(z) ? acc[r * Dv + d] * inv : 0.f;
-        if (std::isnan(z) || std::isnan(mx[r])) {
-          for (int64_t d = 0; d < Dv; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
-        }
-        ld[row] = z > 0.f ? (mx[r] + std::log2(z)) * kLn2 : (std::isnan(z) || std::isnan(mx[r]) ? z + mx[r] : kNegInf);
+        float* o = acc.data() + r * Dv;
+        ld[row] = finish_output_row(o, Dv, sum[r], mx[r]);
+        std::memcpy(od + row * Dv, o, Dv * sizeof(float));
       }
     }
     at::native::cpublas::brgemm_release(is_half<T>());

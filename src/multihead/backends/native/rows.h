@@ -134,4 +134,14 @@ inline float exp2_one(float x) {
 #endif
 }
 
+// a finished row: o[0..Dv) = acc / z (0 where no key was seen, NaN where z or the maximum is NaN,
+// as SDPA propagates it), written in place; returns the row's lse in natural log (-inf for a row
+// with no visible key); m is the row maximum in log2 units, z the sum of 2^(s f - m)
+inline float finish_output_row(float* o, int64_t Dv, float z, float m) {
+  const bool nan = std::isnan(z) || std::isnan(m);
+  const float inv = z > 0.f ? 1.f / z : 0.f;
+  for (int64_t d = 0; d < Dv; ++d) o[d] = nan ? std::numeric_limits<float>::quiet_NaN() : z > 0.f ? o[d] * inv : 0.f;
+  return z > 0.f ? (m + std::log2(z)) * kLn2 : (nan ? z + m : kNegInf);
+}
+
 }  // namespace multihead_native
