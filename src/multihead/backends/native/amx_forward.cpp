@@ -412,16 +412,7 @@ int64_t forward_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t qb = nqb - 1 - w / (B * H), h = w % H, b = (w / H) % B, hk = h / G;
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       const T* qbase = qd + b * qs.s0 + h * qs.s1 + i0 * qs.s2;
-      for (int64_t r = 0; r < bq; ++r) {
-        T* row = qbuf.data() + r * D;
-        if (r >= nq) {
-          std::fill(row, row + D, T(0.f));
-        } else if (qs.s3 == 1) {
-          std::memcpy(row, qbase + r * qs.s2, D * sizeof(T));
-        } else {
-          for (int64_t d = 0; d < D; ++d) row[d] = qbase[r * qs.s2 + d * qs.s3];
-        }
-      }
+      load_rows(qbase, qs.s2, qs.s3, nq, bq, D, D, qbuf.data());  // rows past nq zero: S of 0, never read
       std::fill(obuf.data(), obuf.data() + bq * Dv, 0.f);
       std::fill(rows.begin(), rows.end(), RowState());
       for (int64_t gi = 0; gi * kRows < nq; ++gi) {

@@ -122,15 +122,7 @@ int64_t forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const int64_t qb = nqb - 1 - w / (B * H), h = w % H, b = (w / H) % B, hk = h / G;
       const int64_t i0 = qb * bq, nq = std::min(bq, Lq - i0);
       const scalar_t* qbase = qd + b * qs.s0 + h * qs.s1 + i0 * qs.s2;
-      for (int64_t r = 0; r < nq; ++r) {
-        T* row = qbuf.data() + r * Dp;
-        if (std::is_same<T, scalar_t>::value && qs.s3 == 1) {  // a contiguous row: copied as is
-          std::memcpy(row, qbase + r * qs.s2, D * sizeof(T));
-        } else {
-          for (int64_t d = 0; d < D; ++d) row[d] = cast<T>(qbase[r * qs.s2 + d * qs.s3]);
-        }
-        for (int64_t d = D; d < Dp; ++d) row[d] = T(0);
-      }
+      load_rows(qbase, qs.s2, qs.s3, nq, nq, D, Dp, qbuf.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mx.begin(), mx.end(), kNegInf);
       std::fill(sum.begin(), sum.end(), 0.f);

@@ -7,6 +7,8 @@
 
 #include "common.h"
 
+#include <algorithm>
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -142,6 +144,25 @@ inline float finish_output_row(float* o, int64_t Dv, float z, float m) {
   const float inv = z > 0.f ? 1.f / z : 0.f;
   for (int64_t d = 0; d < Dv; ++d) o[d] = nan ? std::numeric_limits<float>::quiet_NaN() : z > 0.f ? o[d] * inv : 0.f;
   return z > 0.f ? (m + std::log2(z)) * kLn2 : (nan ? z + m : kNegInf);
+}
+
+// rows [0, n) of q (row stride rs, element stride es) into dst as T, each dst row ld elements with
+// the last ld - D zero; rows [n, total) zero (a block's tail)
+template <typename T, typename S>
+void load_rows(const S* q, int64_t rs, int64_t es, int64_t n, int64_t total, int64_t D, int64_t ld, T* dst) {
+  for (int64_t r = 0; r < total; ++r) {
+    T* row = dst + r * ld;
+    if (r >= n) {
+      std::fill(row, row + ld, T(0));
+      continue;
+    }
+    if (std::is_same<T, S>::value && es == 1) {  // a contiguous row: copied as is
+      std::memcpy(row, q + r * rs, D * sizeof(T));
+    } else {
+      for (int64_t d = 0; d < D; ++d) row[d] = cast<T>(q[r * rs + d * es]);
+    }
+    std::fill(row + D, row + ld, T(0));
+  }
 }
 
 }  // namespace multihead_native
